@@ -150,6 +150,16 @@ class GPT(nn.Module):
 # ---------------------------------------------------------------------------------------
 # Accounting: what the lessons predict before they measure. Pure arithmetic on the config.
 
+# Dense bf16 tensor-core peaks in FLOP/s: the denominator of MFU. Reference values, not
+# measurements (NVIDIA H100/H200 and A100 datasheets; Ada whitepaper for the RTX 4090).
+BF16_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "RTX 4090": 165e12}
+
+
+def datasheet_bf16_peak(device_name):
+    """The datasheet bf16 peak for a GPU name like 'NVIDIA H200', or None if unknown."""
+    return next((peak for gpu, peak in BF16_PEAK_FLOPS.items() if gpu in device_name), None)
+
+
 def param_count(config, position=True):
     """Exactly sum(p.numel() for p in GPT(config).parameters()); the tied head counts once."""
     d, L, V = config.n_embd, config.n_layer, config.vocab_size
