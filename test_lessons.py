@@ -148,3 +148,69 @@ def test_torch_adamw_lowers_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+# ---------------------------------------------------------------------------------------
+# model_jax.py: the same function as model_torch.py
+
+@pytest.fixture(scope="module")
+def jax_highest():
+    jax = pytest.importorskip("jax")
+    with jax.default_matmul_precision("highest"):  # true fp32 matmuls (GPUs default to TF32)
+        yield jax
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "manual"])
+def test_jax_logits_equal_torch_logits(jax_highest, attn):
+    import jax.numpy as jnp
+    from model_jax import GPT as JaxGPT, from_torch
+    cfg = tiny(n_layer=2, attn=attn)
+    torch.manual_seed(0)
+    tmodel = GPT(cfg)
+    jmodel = from_torch(JaxGPT(cfg), tmodel.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    tlogits, tloss = tmodel(idx, idx)
+    jlogits, jloss = jmodel(jnp.asarray(idx.numpy()), jnp.asarray(idx.numpy()))
+    assert abs(tlogits.detach().numpy() - jlogits).max() < 1e-4
+    assert abs(tloss.item() - float(jloss)) < 1e-5
+
+
+def test_jax_and_torch_train_alike(jax_highest):
+    # Same weights, same batches, same AdamW: the two frameworks take the same steps.
+    import jax.numpy as jnp
+    from flax import nnx
+    from model_jax import GPT as JaxGPT, adamw, from_torch, make_train_step
+    cfg = tiny(n_layer=2)
+    torch.manual_seed(0)
+    tmodel = GPT(cfg)
+    jmodel = from_torch(JaxGPT(cfg), tmodel.state_dict())
+    topt = tmodel.configure_optimizer(lr=1e-3)
+    graphdef, state = nnx.split((jmodel, nnx.Optimizer(jmodel, adamw(1e-3), wrt=nnx.Param)))
+    train_step = make_train_step(graphdef, donate=True)
+    data = torch.randint(0, 1000, (4, 65))
+    tlosses, jlosses = [], []
+    for _ in range(5):
+        _, loss = tmodel(data[:, :-1], data[:, 1:])
+        topt.zero_grad()
+        loss.backward()
+        topt.step()
+        tlosses.append(loss.item())
+        x = jnp.asarray(data.numpy())
+        jloss, state = train_step(state, x[:, :-1], x[:, 1:])
+        jlosses.append(float(jloss))
+    assert tlosses[-1] < tlosses[0] - 0.5 and jlosses[-1] < jlosses[0] - 0.5, (tlosses, jlosses)
+    assert max(abs(a - b) for a, b in zip(tlosses, jlosses)) < 1e-3, (tlosses, jlosses)
+
+
+def test_jax_checkpointing_gives_the_same_gradients(jax_highest):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from model_jax import GPT as JaxGPT
+    x = jnp.asarray(torch.randint(0, 1000, (2, 65)).numpy())
+    grads = []
+    for checkpointed in (False, True):
+        model = JaxGPT(tiny(n_layer=2, checkpoint=checkpointed), rngs=nnx.Rngs(0))
+        grads.append(nnx.grad(lambda m: m(x[:, :-1], x[:, 1:])[1])(model))
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,169 @@
+"""
+The shared GPT of the lessons, in JAX with Flax NNX: the same network as model_torch.py,
+parameter for parameter, so the two frameworks can run the same weights (`from_torch`)
+and be compared on the same FLOPs (the config and its accounting come from model_torch).
+
+    from model_jax import GPT, adamw, make_train_step
+    model = GPT(GPTConfig.preset("gpt2"), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, adamw(6e-4), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    train_step = make_train_step(graphdef)
+    loss, state = train_step(state, x, y)          # a plain jax.jit: no per-call NNX work
+    nnx.update((model, optimizer), state)          # when you want the objects back
+
+Precision is explicit, as JAX does it: parameters are stored in `param_dtype` (fp32), and
+the matmuls compute in `dtype` (bf16 for mixed precision). The residual stream and the
+LayerNorms stay fp32, and the loss is taken on fp32 logits, as under torch.autocast.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from model_torch import GPTConfig  # one config, one FLOP formula for both frameworks
+
+normal = nnx.initializers.normal
+
+
+class CausalSelfAttention(nnx.Module):
+
+    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None):
+        d, L = config.n_embd, config.n_layer
+        self.n_head, self.attn, self.dtype = config.n_head, config.attn, dtype
+        self.attn_impl = attn_impl  # jax.nn.dot_product_attention's backend: None, "xla", "cudnn"
+        linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
+                         bias_init=nnx.initializers.zeros, rngs=rngs)
+        self.c_attn = linear(d, 3 * d, kernel_init=normal(0.02))  # q, k, v in one matmul
+        self.c_proj = linear(d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
+
+    def __call__(self, x):
+        B, T, C = x.shape
+        qkv = self.c_attn(x)
+        # (B, T, C) -> (B, T, nh, hs): JAX's attention takes heads as the third axis
+        q, k, v = (t.reshape(B, T, self.n_head, C // self.n_head) for t in jnp.split(qkv, 3, axis=-1))
+        if self.attn == "sdpa":
+            # one fused attention (cuDNN flash on a GPU when asked): no T x T in memory
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attn_impl)
+        else:
+            # the textbook version: a (B, nh, T, T) matrix is written, softmaxed and read back
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(k.shape[-1])
+            causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+            att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf).astype(jnp.float32), axis=-1)
+            y = jnp.einsum("bhqk,bkhd->bqhd", att.astype(self.dtype), v)
+        return self.c_proj(y.reshape(B, T, C))  # re-assemble the heads
+
+
+class MLP(nnx.Module):
+
+    def __init__(self, config, dtype, param_dtype, rngs):
+        d, L = config.n_embd, config.n_layer
+        linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
+                         bias_init=nnx.initializers.zeros, rngs=rngs)
+        self.c_fc = linear(d, 4 * d, kernel_init=normal(0.02))
+        self.c_proj = linear(4 * d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
+
+    def __call__(self, x):
+        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))  # GPT-2's tanh GELU
+
+
+class Block(nnx.Module):
+
+    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None):
+        # LayerNorm computes in fp32, with torch's epsilon (nnx defaults to 1e-6)
+        ln = partial(nnx.LayerNorm, config.n_embd, epsilon=1e-5, dtype=jnp.float32,
+                     param_dtype=param_dtype, rngs=rngs)
+        self.ln_1 = ln()
+        self.attn = CausalSelfAttention(config, dtype, param_dtype, rngs, attn_impl)
+        self.ln_2 = ln()
+        self.mlp = MLP(config, dtype, param_dtype, rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln_1(x))  # bf16 branch + fp32 residual -> fp32 residual
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nnx.Module):
+
+    def __init__(self, config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None,
+                 attn_impl=None):
+        assert config.attn in ("sdpa", "manual"), f"attn must be sdpa or manual, not {config.attn!r}"
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config, self.dtype = config, dtype
+        embed = partial(nnx.Embed, embedding_init=normal(0.02), param_dtype=param_dtype, rngs=rngs)
+        self.wte = embed(config.vocab_size, config.n_embd)  # also the lm_head (tied)
+        self.wpe = embed(config.block_size, config.n_embd)
+        self.h = nnx.List([Block(config, dtype, param_dtype, rngs, attn_impl)
+                           for _ in range(config.n_layer)])
+        self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=jnp.float32,
+                                  param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, idx, targets=None):
+        B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        x = self.wte(idx) + self.wpe(jnp.arange(T))  # fp32 residual stream
+        for block in self.h:
+            if self.config.checkpoint:
+                # keep only the block's input; recompute its insides during backward
+                x = nnx.remat(Block.__call__)(block, x)
+            else:
+                x = block(x)
+        x = self.ln_f(x)
+        wte = self.wte.embedding[...]
+        logits = x.astype(self.dtype) @ wte.astype(self.dtype).T  # tied lm_head
+        loss = None
+        if targets is not None:  # cross-entropy on fp32 logits (bf16 would lose precision)
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), targets).mean()
+        return logits, loss
+
+
+def adamw(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95)):
+    """AdamW as model_torch.configure_optimizer: matrices decay, biases and gains do not."""
+    decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.adamw(lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=weight_decay, mask=decay)
+
+
+def make_train_step(graphdef, donate=False):
+    """One AdamW step as a plain jax.jit over the split state of (model, optimizer).
+
+    nnx.split turns the objects into a static graphdef and a pytree of arrays; the jitted
+    function merges them, steps, and returns the new state. (nnx.jit does the same
+    bookkeeping in Python on every call, which costs time on small and medium models.)
+    With donate=True the old state's buffers are reused for the new one.
+    """
+    def train_step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: m(x, y)[1])(model)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+    return jax.jit(train_step, donate_argnums=(0,) if donate else ())
+
+
+def from_torch(model, state_dict):
+    """Copy a model_torch.GPT state dict into this model (in place): same weights, same
+    function. torch's Linear stores (out, in) and computes x W^T; nnx's kernel is (in, out)."""
+    sd = {k: jnp.asarray(v.detach().float().cpu().numpy()) for k, v in state_dict.items()}
+    model.wte.embedding[...] = sd["transformer.wte.weight"]
+    model.wpe.embedding[...] = sd["transformer.wpe.weight"]
+
+    def copy_ln(ln, name):
+        ln.scale[...], ln.bias[...] = sd[name + ".weight"], sd[name + ".bias"]
+
+    def copy_linear(lin, name):
+        lin.kernel[...], lin.bias[...] = sd[name + ".weight"].T, sd[name + ".bias"]
+
+    for i, block in enumerate(model.h):
+        p = f"transformer.h.{i}."
+        copy_ln(block.ln_1, p + "ln_1")
+        copy_linear(block.attn.c_attn, p + "attn.c_attn")
+        copy_linear(block.attn.c_proj, p + "attn.c_proj")
+        copy_ln(block.ln_2, p + "ln_2")
+        copy_linear(block.mlp.c_fc, p + "mlp.c_fc")
+        copy_linear(block.mlp.c_proj, p + "mlp.c_proj")
+    copy_ln(model.ln_f, "transformer.ln_f")
+    return model
