@@ -228,3 +228,30 @@ def activation_bytes(config, batch_size, seq_len=None, bf16=False):
     head = 8 + (4 * d + 2 * 4) + act * d + 4 * V + 8    # ids, ln_f, lm_head in, log-softmax, targets
     weight_copies = 2 * (V * d + (0 if c.checkpoint else 12 * L * d * d)) if bf16 else 0
     return batch_size * T * (L * per_block + head) + weight_copies
+
+
+if __name__ == "__main__":
+    # Smoke check: one bf16 forward + backward of a preset on the best device.
+    #   python model_torch.py gpt2
+    import sys
+    import time
+    name = sys.argv[1] if len(sys.argv) > 1 else "tiny"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = GPTConfig.preset(name)
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    idx, targets = torch.randint(0, 50257, (2, 4, config.block_size), device=device)
+    for step in range(3):  # step 0 warms up
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss = model(idx, targets)  # random targets: loss near ln V at init
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: "
+          f"{name} ({param_count(config) / 1e6:.1f}M params), bf16 autocast, B=4, T={config.block_size}: "
+          f"loss {loss.item():.4f} (ln V = {math.log(config.vocab_size):.4f}), "
+          f"fwd+bwd {dt * 1e3:.1f} ms (measured), peak {peak:.2f} GiB (measured)")
+    assert math.isfinite(loss.item()) and abs(loss.item() - math.log(config.vocab_size)) < 0.5
