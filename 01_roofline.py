@@ -1,33 +1,29 @@
 """
 01_roofline.py - Section 13.1: the map (the roofline) and the method (measure, then classify).
 
-A computation is limited either by how fast the machine does arithmetic or by how fast it
-moves bytes - or, when it is small, by neither: by the fixed cost of asking for it at all.
-This script measures which, on your machine, in the section's order:
+An op is held back by how fast the machine does arithmetic, or by how fast it moves bytes,
+or - when it is small - by neither: by the fixed cost of asking for it at all. This script
+finds out which, on your machine, in the section's order:
 
   1. The two ceilings: peak matmul FLOP/s (bf16 on a GPU, fp32 on a CPU) and memory
      bandwidth (a large copy, bytes read + written). Their ratio is the ridge point.
-  2. A dozen ops - vector add to a large matmul - with FLOPs and minimum bytes counted on
-     paper, timed, and placed against their roofline bound.
-  3. Each op classified from its measurement (compute-, bandwidth- or overhead-bound) next
-     to what its arithmetic intensity predicted; a sweep of tiny ops shows the flat
-     per-call floor and the size where it stops dominating.
-  4. Measurement discipline, shown by running it: a clock read without synchronising, the
-     first call against warm ones, median against mean, and JAX with and without
-     block_until_ready.
-  5. The roofline figure with every op on it: out/01_roofline.png.
+  2. A dozen ops, vector add to large matmul: FLOPs and bytes counted, time measured.
+  3. Each op classified from its measurement - compute-, bandwidth- or overhead-bound - next
+     to what its arithmetic intensity predicted; tiny ops show the flat per-call floor.
+  4. Measurement discipline, shown by running it: no synchronisation, first call vs warm,
+     median vs mean, JAX with and without block_until_ready.
+  5. The roofline figure with every op on it (out/01_roofline.png).
 
 Run:
   python 01_roofline.py                  # CUDA if present, else CPU (about a minute on 2 cores)
   python 01_roofline.py --device cpu     # force the CPU
   python 01_roofline.py --quick          # a few seconds: the smoke run the tests use
   python 01_roofline.py --json r.json    # every number, machine-readable
-It uses one device; on a machine with several GPUs it measures cuda:0 (no torchrun needed).
+One device is enough: with several GPUs it measures cuda:0 (no torchrun).
 
-Expect on an H200: ~800 TFLOP/s bf16 and ~4.2 TB/s, a ridge near 190 FLOP/byte; the big
-matmuls compute-bound, elementwise and normalisation ops within ~10-20% of the bandwidth roof,
-tiny ops at a floor of a few microseconds whatever their size. On a laptop-class CPU: tens
-to hundreds of GFLOP/s, 10-50 GB/s, a ridge of a few FLOP/byte.
+Expect on an H200: ~800 TFLOP/s bf16, ~4.2 TB/s, a ridge near 190 FLOP/byte; big matmuls
+compute-bound, elementwise and norm ops near the memory roof, tiny ops at a floor of a few
+microseconds. On a small CPU: tens of GFLOP/s, 5-20 GB/s, a ridge of a few FLOP/byte.
 """
 
 import os
@@ -49,12 +45,12 @@ import torch.nn.functional as F
 
 from model_torch import datasheet_bf16_peak
 
-# Reference memory bandwidths (NVIDIA datasheets; see REFERENCES.md), printed beside ours.
+# Reference memory bandwidths (NVIDIA datasheets, as in REFERENCES.md), printed beside ours.
 DATASHEET_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "RTX 4090": 1.01e12}
 
-# The classification rule of step 3, one place, printed as it is applied.
-OVERHEAD_FACTOR = 3   # time within 3x of a near-empty call: the fixed cost dominates
-NEAR_ROOF = 0.5       # at >= 50% of its roof an op is "near" it, below that "far below"
+# Step 3's rule in two numbers (printed where it is applied).
+FLAT = 2         # overhead-bound: time < 2x the same op on toy inputs (every dimension <= 8)
+NEAR_ROOF = 0.5  # an op at >= 50% of its roof is "near" it; under that, "far below"
 
 
 def si(x, unit=""):
@@ -70,7 +66,7 @@ def secs(t):
 
 
 # ------------------------------------------------------------------------------------------
-# Honest timing: warm up, synchronise before reading a clock, repeat, report the median.
+# Honest timing: warm up, wait for the device before reading a clock, repeat, take the median.
 
 def sync(device):
     if device.type == "cuda":
@@ -78,14 +74,14 @@ def sync(device):
 
 
 def measure(fn, device, reps, target_s, warmup_s=0.0):
-    """Seconds per call of fn(): the cold first call, then `reps` warm samples. Each sample
+    """Seconds per call of fn(): the cold first call, then `reps` warm samples. A sample
     averages `inner` back-to-back calls so that microsecond ops outlast the clock; on a GPU,
-    CUDA events bracket those calls and we wait for the end event before reading it."""
+    CUDA events bracket the calls and we wait for the end event before reading it."""
     sync(device)
     t0 = time.perf_counter(); fn(); sync(device); first = time.perf_counter() - t0
     t0 = time.perf_counter(); fn(); sync(device); one = time.perf_counter() - t0
     inner = max(1, min(1000, round(target_s / one)))
-    deadline = time.perf_counter() + warmup_s  # GPUs raise their clocks under load: let them
+    deadline = time.perf_counter() + warmup_s  # a GPU raises its clocks under load: let it
     while time.perf_counter() < deadline:
         fn(); sync(device)
     samples = []
@@ -102,16 +98,17 @@ def measure(fn, device, reps, target_s, warmup_s=0.0):
             for _ in range(inner):
                 fn()
             samples.append((time.perf_counter() - t0) / inner)
-    return dict(first_s=first, median_s=statistics.median(samples), mean_s=statistics.fmean(samples),
-                min_s=min(samples), max_s=max(samples), inner=inner, samples_s=samples)
+    return dict(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
+                first_s=first, inner=inner, samples_s=samples)
 
 
-def rotating(fn, shapes, z, device):
+def rotating(fn, shapes, z, device, dtype=None):
     """fn over random inputs of these shapes, cycling through enough copies that together they
     exceed the last-level cache three times over: a warm cache must not flatter the bytes/s."""
-    nbytes = sum(math.prod(s) for s in shapes) * z["elem"]
+    dtype = dtype or z["dtype"]
+    nbytes = sum(math.prod(s) for s in shapes) * dtype.itemsize
     copies = max(2, min(64, math.ceil(3 * z["cache"] / nbytes)))
-    sets = [[torch.randn(s, device=device, dtype=z["dtype"]) for s in shapes] for _ in range(copies)]
+    sets = [[torch.randn(s, device=device, dtype=dtype) for s in shapes] for _ in range(copies)]
     cycle = itertools.cycle(sets)
     return lambda: fn(*next(cycle))
 
@@ -120,34 +117,43 @@ def rotating(fn, shapes, z, device):
 # 1. The two ceilings
 
 def measure_ceilings(z, device, ref_flops, ref_bw):
-    # PREDICTION: a big square matmul does ~n/3 FLOPs per byte (bf16), far right of any ridge,
-    # so it runs at the compute roof; a copy does no arithmetic, so it runs at the memory roof.
-    # On an H200 expect ~80% of the 989 TFLOP/s datasheet and ~90% of its 4.8 TB/s.
-    n = z["peak_n"]
-    mm = measure(rotating(torch.matmul, [(n, n), (n, n)], z, device), device, z["reps"],
-                 z["target_s"], z["warmup_s"])
+    # PREDICTION: a big square matmul does ~n/3 FLOPs per byte, far right of any ridge, so it
+    # runs at the compute roof; a copy does no arithmetic, so it runs at the memory roof.
+    # On an H200: ~80% of the 989 TFLOP/s datasheet bf16 peak and ~90% of its 4.8 TB/s.
+    # A short warm-up, then short samples: the roof is what the chip does in bursts, as the
+    # ops below run. Sustained for seconds, an H200 reaches its 700 W power limit and lowers
+    # its clocks by ~15% (02_hardware.py's energy section measures it).
+    # The roof is the best the chip does on a large matmul, so try three shapes and keep the
+    # fastest (as Bekman's mamf-finder searches shapes): one shape can tile the chip unevenly.
+    n, dt = z["peak_n"], str(z["dtype"]).replace("torch.", "")
+    tried = {}
+    for M, K, N in [(n, n, n), (n // 2, n // 2, n // 2), (n, n // 2, 2 * n)]:
+        t = measure(rotating(torch.matmul, [(M, K), (K, N)], z, device), device, z["reps"],
+                    z["target_s"], z["warmup_s"])
+        tried[f"{M}x{K}x{N}"] = dict(flops=2 * M * K * N, **t)
+    shape, mm = max(tried.items(), key=lambda kv: kv[1]["flops"] / kv[1]["median_s"])
+    flops = mm["flops"]
     src = torch.randn(z["copy_n"], device=device, dtype=z["dtype"])
     dst = torch.empty_like(src)
     cp = measure(lambda: dst.copy_(src), device, z["reps"], z["target_s"], z["warmup_s"])
-    copy_ok = torch.equal(dst, src)
-    moved = 2 * src.numel() * z["elem"]  # read once + written once
-    peak, bw = 2 * n**3 / mm["median_s"], moved / cp["median_s"]
-    del src, dst
-    print("\n1. The two ceilings (measured)")
-    dt = str(z["dtype"]).replace("torch.", "")
-    print(f"  compute roof  {si(peak, 'FLOP/s'):>15}   {dt} matmul {n}x{n}x{n}, median of {z['reps']}"
-          f" (spread {si(2 * n**3 / mm['max_s'])}-{si(2 * n**3 / mm['min_s'])})")
-    print(f"  memory roof   {si(bw, 'B/s'):>15}   copy of {si(moved / 2, 'B')}, bytes read + written,"
-          f" median of {z['reps']} (spread {si(moved / cp['max_s'])}-{si(moved / cp['min_s'])})")
-    print(f"  ridge point   {peak / bw:>9.1f} FLOP/B   (derived: compute roof / memory roof) - ops with"
-          f" fewer FLOPs per byte wait on memory, ops with more wait on arithmetic")
-    if ref_flops:  # reference: datasheet numbers, see REFERENCES.md
-        print(f"  reference     datasheet {si(ref_flops, 'FLOP/s')} dense bf16 and {si(ref_bw, 'B/s')}:"
-              f" we reach {peak / ref_flops:.0%} and {bw / ref_bw:.0%} of the paper numbers")
+    moved = 2 * src.numel() * z["elem"]  # every byte read once and written once
+    peak, bw = flops / mm["median_s"], moved / cp["median_s"]
+    print(f"\n1. The two ceilings (measured; median of {z['reps']}, spread min-max)")
+    print(f"  compute roof {si(peak, 'FLOP/s'):>14}   {dt} matmul {shape}, the fastest of "
+          + ", ".join(f"{k} {si(v['flops'] / v['median_s'], 'FLOP/s')}" for k, v in tried.items())
+          + f"   ({si(flops / mm['max_s'])}-{si(flops / mm['min_s'])})")
+    print(f"  memory roof  {si(bw, 'B/s'):>14}   copy of {si(moved / 2, 'B')}, bytes read + written"
+          f"   ({si(moved / cp['max_s'])}-{si(moved / cp['min_s'])})")
+    print(f"  ridge point  {peak / bw:>8.1f} FLOP/B   (derived: compute roof / memory roof). An op doing"
+          f" fewer FLOPs per byte waits on memory, more on arithmetic")
+    if ref_flops and ref_bw:
+        print(f"  reference    datasheet {si(ref_flops, 'FLOP/s')} dense bf16, {si(ref_bw, 'B/s')}:"
+              f" measured = {peak / ref_flops:.0%} and {bw / ref_bw:.0%} of the paper numbers")
     return dict(peak_flops=peak, bandwidth_bytes_per_s=bw, ridge_flop_per_byte=peak / bw,
-                matmul=dict(n=n, dtype=dt, **mm), copy=dict(bytes_moved=moved, **cp),
-                copy_is_exact=copy_ok, reference=dict(datasheet_bf16_flops=ref_flops,
-                                                      datasheet_bandwidth=ref_bw))
+                copy_is_exact=torch.equal(dst, src), matmul=dict(shape=shape, dtype=dt, **mm),
+                matmul_shapes_tried={k: v["flops"] / v["median_s"] for k, v in tried.items()},
+                copy=dict(bytes_moved=moved, **cp),
+                reference=dict(datasheet_bf16_flops=ref_flops, datasheet_bandwidth=ref_bw))
 
 
 # ------------------------------------------------------------------------------------------
@@ -158,56 +164,60 @@ def count(n):
 
 
 def make_ops(z):
-    """key: (label, function, input shapes, FLOPs, minimum bytes), counted on paper. Minimum
-    bytes = every input read once + every output written once; no kernel can move fewer."""
-    e, n, R, C = z["elem"], z["n"], z["rows"], z["cols"]
+    """key: (label, function, input shapes, FLOPs, minimum bytes, dtype), all counted on paper.
+    Minimum bytes: every input read once, every output written once - no kernel moves fewer.
+    Elementwise ops, norms and reductions run in fp32 (activations, optimizer math), the
+    matmuls in the compute roof's dtype; bytes are bytes, so both meet the same memory roof."""
+    e, v, n = z["elem"], torch.float32.itemsize, z["n"]
+    (R, C), (Rn, Cn) = z["softmax_shape"], z["norm_shape"]
     t, m, (M, K, N), (T, D), B = z["tiny"], z["medium"], z["large"], z["decode"], z["bmm"]
+    fp32, mm = torch.float32, z["dtype"]
     return {
-        "vector_add_tiny": ("vector add 1k", torch.add, [(1024,)] * 2, 1024, 3 * 1024 * e),
-        "vector_add": (f"vector add {count(n)}", torch.add, [(n,)] * 2, n, 3 * n * e),
-        "scale": (f"scale x*2 {count(n)}", lambda x: x * 2.0, [(n,)], n, 2 * n * e),
-        # GELU: ~8 FLOPs per element by convention (a transcendental counted as one)
-        "gelu": (f"GELU {count(n)}", F.gelu, [(n,)], 8 * n, 2 * n * e),
-        # softmax per element: max, subtract, exp, sum, divide
+        "vector_add_tiny": ("vector add 1k", torch.add, [(1024,)] * 2, 1024, 3 * 1024 * v, fp32),
+        "vector_add": (f"vector add {count(n)}", torch.add, [(n,)] * 2, n, 3 * n * v, fp32),
+        "scale": (f"scale x*2 {count(n)}", lambda x: x * 2.0, [(n,)], n, 2 * n * v, fp32),
+        # GELU: ~8 FLOPs per element by convention (the erf counted as one)
+        "gelu": (f"GELU {count(n)}", F.gelu, [(n,)], 8 * n, 2 * n * v, fp32),
+        # softmax, per element: max, subtract, exp, sum, divide
         "softmax": (f"softmax {count(R)}x{C}", lambda x: torch.softmax(x, -1), [(R, C)],
-                    5 * R * C, 2 * R * C * e),
-        # layernorm per element: mean, subtract, square, sum, scale, gain, bias (+1 slack)
-        "layernorm": (f"layernorm {count(R)}x{C}", lambda x, w, b: F.layer_norm(x, (C,), w, b),
-                      [(R, C), (C,), (C,)], 8 * R * C, (2 * R * C + 2 * C) * e),
-        "sum": (f"sum {count(n)}", torch.sum, [(n,)], n, (n + 1) * e),
-        "matmul_tiny": (f"matmul {t}^3", torch.matmul, [(t, t)] * 2, 2 * t**3, 3 * t * t * e),
+                    5 * R * C, 2 * R * C * v, fp32),
+        # layernorm, per element: mean, subtract, square, sum, normalise, gain, bias (+1)
+        "layernorm": (f"layernorm {count(Rn)}x{Cn}", lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+                      [(Rn, Cn), (Cn,), (Cn,)], 8 * Rn * Cn, (2 * Rn * Cn + 2 * Cn) * v, fp32),
+        "sum": (f"sum {count(n)}", torch.sum, [(n,)], n, (n + 1) * v, fp32),
+        "matmul_tiny": (f"matmul {t}^3", torch.matmul, [(t, t)] * 2, 2 * t**3, 3 * t * t * e, mm),
         "matmul_decode": (f"matmul {T} tok x {D}^2", torch.matmul, [(T, D), (D, D)],
-                          2 * T * D * D, (2 * T * D + D * D) * e),
+                          2 * T * D * D, (2 * T * D + D * D) * e, mm),
         "bmm_small": (f"bmm {count(B)} x 64^3", torch.bmm, [(B, 64, 64)] * 2,
-                      2 * B * 64**3, 3 * B * 64 * 64 * e),
-        "matmul_medium": (f"matmul {m}^3", torch.matmul, [(m, m)] * 2, 2 * m**3, 3 * m * m * e),
+                      2 * B * 64**3, 3 * B * 64 * 64 * e, mm),
+        "matmul_medium": (f"matmul {m}^3", torch.matmul, [(m, m)] * 2, 2 * m**3, 3 * m * m * e, mm),
         "matmul_large": (f"matmul {M}x{K}x{N}", torch.matmul, [(M, K), (K, N)],
-                         2 * M * K * N, (M * K + K * N + M * N) * e),
+                         2 * M * K * N, (M * K + K * N + M * N) * e, mm),
     }
 
 
 def place_ops(z, device, peak, bw):
-    # PREDICTION: elementwise ops, norms and reductions do ~1-8 FLOPs per element, so their
-    # intensity is a few FLOP/byte at most: far left of the ridge, held by the memory roof. A
-    # matmul's intensity grows with its smallest dimension: 64x64 batches and a few tokens
-    # against a big weight stay left of a GPU's ridge; square matmuls of thousands cross it.
-    print("\n2. A dozen ops on the roofline (FLOPs, bytes: counted; time: measured; rest derived)")
+    # PREDICTION: elementwise ops, norms and reductions do 1-8 FLOPs per element moved: a
+    # few FLOP/byte at most, left of the ridge, under the memory roof. A matmul's intensity
+    # grows with its smallest dimension: a few tokens against a big weight, or 64x64 blocks,
+    # stay left of a GPU's ridge; square matmuls of thousands cross it to the compute roof.
+    print("\n2. A dozen ops on the roofline (FLOPs and bytes counted, time measured, the rest derived)")
     print(f"  {'op':<26}{'FLOPs':>9}{'bytes':>9}{'FLOP/B':>8}{'bound':>13}{'time':>11}"
           f"{'achieved':>13}{'bytes/s':>11}{'% bound':>8}")
     ops = {}
-    for key, (label, fn, shapes, flops, nbytes) in make_ops(z).items():
-        t = measure(rotating(fn, shapes, z, device), device, z["reps"], z["target_s"])
-        intensity = flops / nbytes
-        bound = min(peak, intensity * bw)  # the roofline: attainable FLOP/s
-        achieved = flops / t["median_s"]
-        ops[key] = dict(label=label, flops=flops, bytes=nbytes, intensity=intensity,
-                        bound_flops=bound, achieved_flops=achieved,
-                        achieved_bytes_per_s=nbytes / t["median_s"], fraction_of_bound=achieved / bound,
-                        predicted="compute" if intensity >= peak / bw else "bandwidth",
-                        time_s=t["median_s"], **{k: v for k, v in t.items() if k != "median_s"})
+    for key, (label, fn, shapes, flops, nbytes, dtype) in make_ops(z).items():
+        t = measure(rotating(fn, shapes, z, device, dtype), device, z["reps"], z["target_s"])
+        toy_shapes = [tuple(min(d, 8) for d in s) for s in shapes]  # the same call, ~no work
+        toy = measure(rotating(fn, toy_shapes, z, device, dtype), device, z["reps"], z["target_s"])
+        time_s, intensity = t.pop("median_s"), flops / nbytes
+        bound = min(peak, intensity * bw)  # the roofline: the FLOP/s this op can attain
+        ops[key] = dict(label=label, flops=flops, bytes=nbytes, intensity=intensity, bound_flops=bound,
+                        time_s=time_s, toy_time_s=toy["median_s"], achieved_flops=flops / time_s,
+                        achieved_bytes_per_s=nbytes / time_s, fraction_of_bound=flops / time_s / bound,
+                        predicted="compute" if intensity >= peak / bw else "bandwidth", **t)
         print(f"  {label:<26}{si(flops):>9}{si(nbytes):>9}{intensity:>8.3g}{si(bound, 'FLOP/s'):>13}"
-              f"{secs(t['median_s']):>11}{si(achieved, 'FLOP/s'):>13}{si(nbytes / t['median_s'], 'B/s'):>11}"
-              f"{achieved / bound:>8.0%}")
+              f"{secs(time_s):>11}{si(flops / time_s, 'FLOP/s'):>13}{si(nbytes / time_s, 'B/s'):>11}"
+              f"{flops / time_s / bound:>8.0%}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return ops
@@ -218,23 +228,22 @@ def place_ops(z, device, peak, bw):
 
 def overhead_sweep(z, device, bw):
     # PREDICTION: a vector add of 64 elements costs what one of 64 thousand does: the fixed
-    # cost of a call (Python, PyTorch's dispatcher, a kernel launch) - a few microseconds.
-    # Time starts to grow with size only once moving the bytes takes longer than that.
+    # cost of a call (Python, PyTorch's dispatcher, a kernel launch), a few microseconds. Time
+    # grows with size only once the bytes take longer than that: past floor x bandwidth.
     sweep = []
     for p in z["sweep"]:
-        n = 2**p
-        t = measure(rotating(torch.add, [(n,)] * 2, z, device), device, z["reps"], z["target_s"])
-        sweep.append(dict(elements=n, bytes=3 * n * z["elem"], time_s=t["median_s"]))
+        t = measure(rotating(torch.add, [(2**p,)] * 2, z, device, torch.float32), device, z["reps"],
+                    z["target_s"])
+        sweep.append(dict(elements=2**p, bytes=3 * 2**p * 4, time_s=t["median_s"]))
     floor = statistics.median(s["time_s"] for s in sweep[:3])
-    grown = next((s for s in sweep if s["time_s"] > 2 * floor), None)
-    return dict(floor_s=floor, sweep=sweep, predicted_crossover_bytes=floor * bw,
-                crossover_bytes=grown and grown["bytes"])
+    grown = next((s["bytes"] for s in sweep if s["time_s"] > 2 * floor), None)
+    return dict(floor_s=floor, sweep=sweep, crossover_bytes=grown, predicted_crossover_bytes=floor * bw)
 
 
-def classify(op, peak, bw, floor):
-    """Step 3's rule: overhead first (measured time against the measured floor), else the
-    roof the op comes nearer to, as a fraction of each measured ceiling."""
-    if op["time_s"] < OVERHEAD_FACTOR * floor:
+def classify(op, peak, bw):
+    """Overhead first: time flat in size (measured at two sizes). Else the roof the op comes
+    nearer to, as a fraction of each measured ceiling."""
+    if op["time_s"] < FLAT * op["toy_time_s"]:
         return "overhead"
     return "compute" if op["achieved_flops"] / peak >= op["achieved_bytes_per_s"] / bw else "bandwidth"
 
@@ -242,31 +251,28 @@ def classify(op, peak, bw, floor):
 def regimes(z, device, ops, peak, bw):
     print("\n3. The three regimes, from the measurement")
     ov = overhead_sweep(z, device, bw)
-    floor = ov["floor_s"]
-    print(f"  tiny-op sweep, vector add (measured):  "
+    print("  vector add, time per call against size (measured):\n   "
           + "  ".join(f"{count(s['elements'])}:{secs(s['time_s'])}" for s in ov["sweep"]))
-    print(f"  overhead floor {secs(floor)} per call (median of the 3 smallest sizes); the time"
-          f" doubles from it at {si(ov['crossover_bytes'] or float('nan'), 'B')} moved per call"
-          f" (predicted: floor x bandwidth = {si(ov['predicted_crossover_bytes'], 'B')})")
-    print(f"  rule: overhead-bound if the time is within {OVERHEAD_FACTOR}x of the floor - the work is too"
-          f" small to matter, time is flat in size;\n"
-          f"        else bound by the roof it comes nearer to (the larger of achieved/peak FLOP/s and"
-          f" achieved/peak bytes/s),\n"
-          f"        'near' it at >= {NEAR_ROOF:.0%}, 'far below' under that: something else costs too"
-          f" (per-call costs, non-matmul math, a chip only partly filled)")
-    print(f"  {'op':<26}{'FLOP/B':>8}{'x floor':>9}{'% bound':>9}   {'intensity predicts':<20}measured")
+    print(f"  overhead floor {secs(ov['floor_s'])} per call (the 3 smallest sizes); time doubles from it at"
+          f" {si(ov['crossover_bytes'] or math.nan, 'B')} per call (predicted: floor x bandwidth ="
+          f" {si(ov['predicted_crossover_bytes'], 'B')})")
+    print(f"  rule: overhead-bound if the time is under {FLAT}x the same op's on toy inputs (every"
+          f" dimension <= 8): flat in size;\n        else bound by the roof it comes nearer to"
+          f" (the larger fraction: achieved/peak FLOP/s or achieved/peak bytes/s),\n        'near'"
+          f" at >= {NEAR_ROOF:.0%} of it, else 'far below': other costs too (per-call, non-matmul"
+          f" math, a partly idle chip)")
+    print(f"  {'op':<26}{'FLOP/B':>8}{'x toy':>8}{'% bound':>9}   {'intensity predicts':<20}measured")
     for op in ops.values():
-        op["measured"] = classify(op, peak, bw, floor)
-        op["times_floor"] = op["time_s"] / floor
+        op["measured"] = classify(op, peak, bw)
         op["near_roof"] = op["measured"] != "overhead" and op["fraction_of_bound"] >= NEAR_ROOF
         how = "" if op["measured"] == "overhead" else " (near)" if op["near_roof"] else " (far below)"
-        agree = "" if op["measured"] == op["predicted"] else "   <- the roofline cannot see this"
-        print(f"  {op['label']:<26}{op['intensity']:>8.3g}{op['times_floor']:>9.1f}"
+        note = "" if op["measured"] == op["predicted"] else "   <- the roofline cannot see this"
+        print(f"  {op['label']:<26}{op['intensity']:>8.3g}{op['time_s'] / op['toy_time_s']:>8.1f}"
               f"{op['fraction_of_bound']:>9.0%}   {op['predicted'] + '-bound':<20}"
-              f"{op['measured']}-bound{how}{agree}")
-    print("  Above the ridge the compute roof is always the nearer one, below it the memory roof: the"
-          " measurement adds\n  what intensity cannot - whether the fixed cost of a call swamps the"
-          " op, and how near its roof it gets.")
+              f"{op['measured']}-bound{how}{note}")
+    print("  Left of the ridge the memory roof is always the nearer one, right of it the compute roof."
+          " What only the\n  measurement tells: whether per-call overhead swamps the op, and how"
+          " near its roof it gets.")
     return ov
 
 
@@ -274,9 +280,9 @@ def regimes(z, device, ops, peak, bw):
 # 4. Measurement discipline, shown by running it
 
 def unsynchronised_clock(z, device, peak):
-    # PREDICTION (GPU): torch.matmul returns once the kernel is queued; a clock read then
-    # measures the launch (~10 us), not the work (~1 ms), and "achieves" more FLOP/s than the
-    # chip has. On a CPU PyTorch has no queue: the call returns with the result.
+    # PREDICTION (GPU): torch.matmul returns once the kernel is queued, so a clock read right
+    # after measures the launch (~10 us), not the work (~1 ms), and "achieves" more FLOP/s
+    # than the chip has. On a CPU, PyTorch has no queue: the call returns with the result.
     n, k = z["peak_n"], 10 if device.type == "cuda" else 3
     a, b = (torch.randn(n, n, device=device, dtype=z["dtype"]) for _ in range(2))
     a @ b; sync(device)
@@ -285,59 +291,53 @@ def unsynchronised_clock(z, device, peak):
         a @ b
     no_sync = (time.perf_counter() - t0) / k
     sync(device)
-    synced = (time.perf_counter() - t0) / k  # same clock, same calls, read after waiting
-    print("  (a) a clock read without waiting for the device")
-    print(f"  clock without synchronising: {secs(no_sync)} per {n}^3 matmul"
-          f" -> {si(2 * n**3 / no_sync, 'FLOP/s')};  after synchronize: {secs(synced)}"
-          f" -> {si(2 * n**3 / synced, 'FLOP/s')}")
+    synced = (time.perf_counter() - t0) / k  # the same calls, the clock read after waiting
+    print(f"  (a) {n}^3 matmul, clock read without synchronising: {secs(no_sync)}"
+          f" = {si(2 * n**3 / no_sync, 'FLOP/s')};  after synchronize: {secs(synced)}"
+          f" = {si(2 * n**3 / synced, 'FLOP/s')}")
     out = dict(no_sync_s=no_sync, sync_s=synced, apparent_flops=2 * n**3 / no_sync)
     if device.type == "cuda":
-        print(f"    the unsynchronised number is {synced / no_sync:.0f}x too fast:"
-              f" {2 * n**3 / no_sync / peak:.0f}x the compute roof - impossible")
+        print(f"      the unsynchronised clock is {synced / no_sync:.0f}x too fast - it claims"
+              f" {2 * n**3 / no_sync / peak:.0f}x the compute roof, which is impossible")
     else:
-        out["skipped"] = ("CPU: PyTorch runs CPU ops synchronously (the call returns with the"
-                          " result), so there is no queue to forget; both clocks agree")
-        print(f"    skipped: {out['skipped']}")
+        out["skipped"] = ("on a CPU PyTorch runs each op synchronously (the call returns with its"
+                          " result), so there is no queue to forget to wait for: both clocks agree")
+        print(f"      skipped: {out['skipped']}")
     return out
 
 
-def first_vs_warm(ceilings, ops):
+def first_vs_warm(ceilings):
     # PREDICTION: the first call pays one-off costs - library handles and kernel loading on a
-    # GPU, fresh pages from the OS on a CPU - so it is slower than every warm call after it,
-    # and a mean over a loop that includes it is dragged up while the median is not.
-    print("  (b) first call against warm calls, (c) median against mean")
-    cases = dict(matmul_peak=ceilings["matmul"], copy=ceilings["copy"], **ops)
+    # GPU, the OS handing out fresh pages on a CPU - so it is slower than the warm calls, and
+    # the mean of a loop timed from that first call is dragged up while its median is not.
     out = {}
-    for key, t in cases.items():
-        naive = [t["first_s"]] + t["samples_s"]  # a loop timed from its very first call
-        out[key] = dict(first_s=t["first_s"], warm_median_s=t.get("median_s", t.get("time_s")),
-                        naive_mean_s=statistics.fmean(naive), naive_median_s=statistics.median(naive))
-    for key in ("matmul_peak", "copy"):
-        r = out[key]
-        print(f"  {key:<12} first call {secs(r['first_s']):>10}   warm median {secs(r['warm_median_s']):>10}"
-              f"   ({r['first_s'] / r['warm_median_s']:.1f}x)   a loop from the first call: mean"
-              f" {secs(r['naive_mean_s'])}, median {secs(r['naive_median_s'])}")
+    for name in ("matmul", "copy"):
+        t = ceilings[name]
+        loop = [t["first_s"]] + t["samples_s"]  # a timing loop with no warm-up
+        out[name] = dict(first_s=t["first_s"], warm_median_s=t["median_s"],
+                         loop_mean_s=statistics.fmean(loop), loop_median_s=statistics.median(loop))
+        print(f"  (b) {name:<6} first call {secs(t['first_s']):>9} = {t['first_s'] / t['median_s']:.1f}x"
+              f" a warm call;  (c) a loop from the first call: mean {secs(out[name]['loop_mean_s'])},"
+              f" median {secs(out[name]['loop_median_s'])}")
     return out
 
 
 def jax_dispatch(z, device):
-    # PREDICTION: JAX dispatches asynchronously on every backend, CPU included: a jitted call
-    # hands back an Array before it is computed, so without block_until_ready the clock reads
-    # only the dispatch. The first call also traces and compiles.
+    # PREDICTION: JAX dispatches asynchronously on every backend, the CPU included: a jitted
+    # call hands back an Array before it is computed, so without block_until_ready the clock
+    # reads only the dispatch. Its first call also traces and compiles: an outlier.
     try:
         import jax
         import jax.numpy as jnp
     except ImportError:
-        print("  jax is not installed: the JAX half of this demonstration is skipped")
+        print("  (d) jax is not installed: its half of this demonstration is skipped")
         return dict(skipped="jax is not installed")
-    print("  (d) JAX, with and without block_until_ready")
     n, dtype = z["jax_n"], jnp.bfloat16 if z["dtype"] == torch.bfloat16 else jnp.float32
     platform = jax.devices()[0].platform
     if platform != {"cuda": "gpu", "cpu": "cpu"}[device.type]:  # e.g. jax without its CUDA plugin
-        print(f"  JAX runs on {platform} here, not on {device.type}: a smaller fp32 matmul")
+        print(f"  (d) JAX runs on {platform} here, not on {device.type}: a 1024^3 fp32 matmul instead")
         n, dtype = 1024, jnp.float32
-    ka, kb = jax.random.split(jax.random.key(0))
-    a, b = jax.random.normal(ka, (n, n), dtype), jax.random.normal(kb, (n, n), dtype)
+    a, b = (jax.random.normal(k, (n, n), dtype) for k in jax.random.split(jax.random.key(0)))
     f = jax.jit(lambda a, b: a @ b)
     t0 = time.perf_counter(); f(a, b).block_until_ready(); first = time.perf_counter() - t0
     unblocked, blocked = [], []
@@ -346,19 +346,17 @@ def jax_dispatch(z, device):
         y = f(a, b)
         unblocked.append(time.perf_counter() - t0)
         y.block_until_ready()
-        blocked.append(time.perf_counter() - t0)  # same call, clock read after waiting
-    ub, bl = statistics.median(unblocked), statistics.median(blocked)
-    print(f"  JAX on {platform} ({n}^3 matmul): without block_until_ready {secs(ub)}"
-          f" -> {si(2 * n**3 / ub, 'FLOP/s')};  with it {secs(bl)} -> {si(2 * n**3 / bl, 'FLOP/s')}")
-    async_ = ub < 0.5 * bl
-    print(f"    dispatch is {'asynchronous' if async_ else 'NOT asynchronous'} here"
-          + (" - on a CPU too: JAX needs block_until_ready everywhere" if async_ and platform == "cpu" else ""))
-    naive = [first] + blocked  # a loop timed from its very first call
-    print(f"    first call (trace + compile + run) {secs(first)} = {first / bl:.0f}x a warm call; a loop"
-          f" timed from it: mean {secs(statistics.fmean(naive))}, median {secs(statistics.median(naive))}")
-    return dict(platform=platform, n=n, unblocked_s=ub, blocked_s=bl, first_call_s=first,
-                dispatch_is_async=async_, naive_mean_s=statistics.fmean(naive),
-                naive_median_s=statistics.median(naive), version=jax.__version__)
+        blocked.append(time.perf_counter() - t0)  # the same call, the clock read after waiting
+    ub, bl, loop = statistics.median(unblocked), statistics.median(blocked), [first] + blocked
+    is_async = ub < 0.5 * bl
+    print(f"  (d) JAX on {platform}, {n}^3 matmul: without block_until_ready {secs(ub)}"
+          f" = {si(2 * n**3 / ub, 'FLOP/s')};  with it {secs(bl)} = {si(2 * n**3 / bl, 'FLOP/s')}")
+    print(f"      dispatch is {'asynchronous' if is_async else 'NOT asynchronous'} on {platform};"
+          f" first call (trace + compile) {secs(first)} = {first / bl:.0f}x a warm call;"
+          f" a loop from it: mean {secs(statistics.fmean(loop))}, median {secs(statistics.median(loop))}")
+    return dict(platform=platform, n=n, unblocked_s=ub, blocked_s=bl, dispatch_is_async=is_async,
+                first_call_s=first, loop_mean_s=statistics.fmean(loop),
+                loop_median_s=statistics.median(loop), version=jax.__version__)
 
 
 # ------------------------------------------------------------------------------------------
@@ -374,10 +372,9 @@ def figure(path, ops, ceilings, ov):
     peak, bw = ceilings["peak_flops"], ceilings["bandwidth_bytes_per_s"]
     colors = {"compute": "tab:red", "bandwidth": "tab:blue", "overhead": "tab:gray"}
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw=dict(width_ratios=[3, 2]))
-    lo = min(op["intensity"] for op in ops.values()) / 3
-    hi = max(op["intensity"] for op in ops.values()) * 3
-    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-    ax.plot(xs, [min(peak, x * bw) for x in xs], "k-", lw=2, label="roofline (measured ceilings)")
+    lo, hi = (f(op["intensity"] for op in ops.values()) for f in (min, max))
+    xs = [lo / 3 * (9 * hi / lo) ** (i / 200) for i in range(201)]
+    ax.loglog(xs, [min(peak, x * bw) for x in xs], "k-", lw=2, label="roofline (measured ceilings)")
     ax.axvline(peak / bw, color="k", ls=":", lw=1)
     ax.text(peak / bw, peak * 1.15, f" ridge {peak / bw:.3g} FLOP/B", fontsize=9)
     for op in ops.values():
@@ -385,15 +382,14 @@ def figure(path, ops, ceilings, ov):
         ax.annotate(op["label"], (op["intensity"], op["achieved_flops"]), fontsize=7,
                     xytext=(4, -3), textcoords="offset points")
     for regime, c in colors.items():
-        ax.scatter([], [], color=c, label=f"measured: {regime}")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
-           ylabel="achieved FLOP/s", title="The roofline, with every op placed by its measurement")
+        ax.scatter([], [], color=c, label=f"measured: {regime}-bound")
+    ax.set(xlabel="arithmetic intensity (FLOP / byte)", ylabel="achieved FLOP/s",
+           title="The roofline, every op placed by its measurement")
     ax.legend(fontsize=8, loc="lower right")
-    sweep = ov["sweep"]
-    ax2.loglog([s["bytes"] for s in sweep], [s["time_s"] * 1e6 for s in sweep], "o-", label="vector add")
+    nbytes = [s["bytes"] for s in ov["sweep"]]
+    ax2.loglog(nbytes, [s["time_s"] * 1e6 for s in ov["sweep"]], "o-", label="vector add (measured)")
     ax2.axhline(ov["floor_s"] * 1e6, color="tab:gray", ls="--", label=f"floor {ov['floor_s'] * 1e6:.1f} us")
-    b = [s["bytes"] for s in sweep]
-    ax2.loglog(b, [x / bw * 1e6 for x in b], "k:", label="bytes / bandwidth")
+    ax2.loglog(nbytes, [x / bw * 1e6 for x in nbytes], "k:", label="bytes / bandwidth")
     ax2.set(xlabel="bytes moved per call", ylabel="time per call (us)", title="The overhead floor")
     ax2.legend(fontsize=8)
     fig.tight_layout()
@@ -405,29 +401,32 @@ def figure(path, ops, ceilings, ov):
 # ------------------------------------------------------------------------------------------
 
 def sizes(device, quick):
-    """Problem sizes: on a GPU, well past its L2 and big enough to fill it; on a CPU, what
-    finishes the whole script in about a minute on 2 cores (--quick: a few seconds)."""
+    """On a GPU, sizes well past its L2 that fill the chip; on a CPU, what runs the whole
+    script in about a minute on 2 cores (--quick: a few seconds)."""
     if device.type == "cuda":
-        return dict(dtype=torch.bfloat16, peak_n=8192, copy_n=2**29, n=2**28, rows=2**18, cols=1024,
-                    tiny=64, medium=2048, large=(8192, 4096, 16384), decode=(16, 8192), bmm=2**16,
-                    sweep=range(6, 29, 2), jax_n=8192, reps=5 if quick else 20,
-                    target_s=2e-3, warmup_s=0.05 if quick else 0.5)
+        return dict(dtype=torch.bfloat16, peak_n=8192, copy_n=2**29, n=2**28,
+                    softmax_shape=(2**18, 1024), norm_shape=(2**16, 4096),
+                    tiny=64, medium=4096, large=(8192, 4096, 16384), decode=(16, 16384), bmm=2**16,
+                    sweep=range(6, 29, 2), jax_n=8192, reps=5 if quick else 20, target_s=2e-3,
+                    warmup_s=0.05)
     if quick:
-        z = dict(peak_n=768, copy_n=2**23, n=2**22, rows=2**12, medium=192, large=(256, 512, 2048),
+        z = dict(peak_n=768, copy_n=2**23, n=2**22, softmax_shape=(2**12, 1024),
+                 norm_shape=(2**12, 1024), medium=192, large=(256, 512, 2048),
                  decode=(1, 2048), bmm=2**10, sweep=range(6, 21, 2), jax_n=512, reps=3, target_s=1e-3)
     else:
-        z = dict(peak_n=2048, copy_n=2**26, n=2**24, rows=2**14, medium=384, large=(1024, 1024, 4096),
+        z = dict(peak_n=2048, copy_n=2**26, n=2**24, softmax_shape=(2**14, 1024),
+                 norm_shape=(2**14, 1024), medium=384, large=(1024, 1024, 4096),
                  decode=(1, 4096), bmm=2**12, sweep=range(6, 25, 2), jax_n=1024, reps=7, target_s=2e-2)
-    return dict(dtype=torch.float32, cols=1024, tiny=16, warmup_s=0.0, **z)
+    return dict(dtype=torch.float32, tiny=16, warmup_s=0.0, **z)
 
 
 def keep_freed_memory():
-    """On Linux/glibc, a big CPU tensor is fresh memory from the OS every call, and first touch
-    of each 4 KB page costs more than a vector add's arithmetic; a GPU's caching allocator
-    avoids this. Ask glibc to keep freed memory, as that allocator does."""
+    """glibc hands a big CPU tensor fresh pages from the OS on every call, and touching each
+    4 KB page for the first time costs more than a vector add's arithmetic. A GPU's caching
+    allocator keeps freed memory; ask glibc to do the same (M_MMAP_ and M_TRIM_THRESHOLD)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return libc.mallopt(-3, 2**30) == 1 and libc.mallopt(-1, 2**30) == 1  # MMAP_/TRIM_THRESHOLD
+        return libc.mallopt(-3, 2**30) == 1 and libc.mallopt(-1, 2**30) == 1
     except (OSError, AttributeError):
         return False
 
@@ -435,19 +434,19 @@ def keep_freed_memory():
 def describe(device):
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        return dict(type="cuda", name=p.name, memory_bytes=p.total_memory,
-                    cache_bytes=getattr(p, "L2_cache_size", 50 * 2**20), count=torch.cuda.device_count())
-    name = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-                "CPU") if os.path.exists("/proc/cpuinfo") else "CPU"
-    llc = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
-    cache = int(llc.read_text().strip().rstrip("K")) * 1024 if llc.exists() else 32 * 2**20
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return dict(type="cpu", name=name, memory_bytes=mem, cache_bytes=cache, threads=torch.get_num_threads())
+        return dict(type="cuda", name=p.name, memory_bytes=p.total_memory, gpus=torch.cuda.device_count(),
+                    cache_bytes=getattr(p, "L2_cache_size", 50 * 2**20))
+    cpuinfo, llc = Path("/proc/cpuinfo"), Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    names = [l.split(":")[1].strip() for l in cpuinfo.read_text().splitlines()
+             if l.startswith("model name")] if cpuinfo.exists() else []
+    return dict(type="cpu", name=names[0] if names else "CPU", threads=torch.get_num_threads(),
+                memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                cache_bytes=int(llc.read_text().strip("K\n")) * 1024 if llc.exists() else 32 * 2**20)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    ap.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    ap = argparse.ArgumentParser(description="Section 13.1: the roofline, the three regimes, honest timing")
+    ap.add_argument("--quick", action="store_true", help="seconds-long smoke run (the tests')")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--json", type=Path, help="write every measured number here")
     ap.add_argument("--out", type=Path, default=Path("out"), help="folder for the figure")
@@ -457,28 +456,25 @@ def main():
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"  # JAX on the same device as torch
-    try:
-        jax_version = importlib.metadata.version("jax")
-    except importlib.metadata.PackageNotFoundError:
-        jax_version = None
+    jax_version = next((d.version for d in importlib.metadata.distributions(name="jax")), None)
     dev = describe(device)
     z = dict(sizes(device, args.quick), cache=dev["cache_bytes"])
     z["elem"] = torch.tensor([], dtype=z["dtype"]).element_size()
     print(f"device: {dev['name']} ({device.type}), memory {si(dev['memory_bytes'], 'B')},"
           f" last-level cache {si(dev['cache_bytes'], 'B')}")
-    print(f"torch {torch.__version__}, jax {jax_version or 'not installed'};"
-          f" {'quick' if args.quick else 'full'} run in {str(z['dtype']).replace('torch.', '')},"
-          f" {z['reps']} timed samples per op, inputs rotated to exceed the cache 3x")
+    print(f"torch {torch.__version__}, jax {jax_version or 'not installed'}; {'--quick' if args.quick else 'full'}"
+          f" run: matmuls in {str(z['dtype']).replace('torch.', '')}, other ops in float32, {z['reps']} timed"
+          f" samples per measurement,"
+          f" inputs rotated past the cache")
     if device.type == "cpu" and keep_freed_memory():
-        print("CPU: glibc asked to keep freed memory (as a GPU caching allocator does), so big"
-              " outputs do not pay first-touch page faults on every call")
-    ref_flops = datasheet_bf16_peak(dev["name"]) if device.type == "cuda" else None
-    ref_bw = next((v for k, v in DATASHEET_BANDWIDTH.items() if k in dev["name"]), None)
+        print("CPU: glibc told to keep freed memory, as a GPU's caching allocator does, so big outputs"
+              " do not pay first-touch page faults on every call")
+    ref_flops = datasheet_bf16_peak(dev["name"]) if device.type == "cuda" else None  # reference
+    ref_bw = next((v for k, v in DATASHEET_BANDWIDTH.items() if k in dev["name"]), None)  # reference
 
     results = dict(lesson="01_roofline", device=dict(dev, torch=torch.__version__, jax=jax_version),
-                   quick=args.quick, sizes={k: list(v) if isinstance(v, range) else str(v)
-                                            if isinstance(v, torch.dtype) else v for k, v in z.items()},
-                   checks={}, errors={})
+                   quick=args.quick, sizes={k: str(v) if isinstance(v, (range, torch.dtype)) else v
+                                            for k, v in z.items()}, checks={}, errors={})
 
     def attempt(name, fn, *a):  # one failed experiment must not lose the others
         try:
@@ -488,34 +484,26 @@ def main():
             results["errors"][name] = f"{type(e).__name__}: {e}"
             results["checks"][f"{name}_ran"] = False
 
-    ceil = attempt("ceilings", measure_ceilings, z, device, ref_flops, ref_bw)
+    ceil = results["ceilings"] = attempt("ceilings", measure_ceilings, z, device, ref_flops, ref_bw)
     if ceil:
-        results["ceilings"] = ceil
         peak, bw = ceil["peak_flops"], ceil["bandwidth_bytes_per_s"]
-        results["checks"]["ceilings_positive"] = peak > 0 and bw > 0
-        results["checks"]["copy_is_exact"] = ceil["copy_is_exact"]
-        ops = attempt("ops", place_ops, z, device, peak, bw)
-        if ops:
-            results["ops"] = ops
-            ov = attempt("regimes", regimes, z, device, ops, peak, bw)
-            results["overhead"] = ov
+        results["checks"].update(ceilings_positive=peak > 0 and bw > 0, copy_is_exact=ceil["copy_is_exact"])
+        ops = results["ops"] = attempt("ops", place_ops, z, device, peak, bw)
+        ov = results["overhead"] = ops and attempt("regimes", regimes, z, device, ops, peak, bw)
         print("\n4. Measurement discipline, shown by running it")
-        sync_demo = attempt("unsynchronised", unsynchronised_clock, z, device, peak)
-        results["discipline"] = dict(unsynchronised=sync_demo)
-        if sync_demo and device.type == "cuda":
-            results["checks"]["unsynchronised_timing_is_faster"] = sync_demo["no_sync_s"] < 0.5 * sync_demo["sync_s"]
-        if ops:
-            results["discipline"]["first_vs_warm"] = attempt("first_vs_warm", first_vs_warm, ceil, ops)
-        results["discipline"]["jax"] = attempt("jax", jax_dispatch, z, device)
+        unsync = attempt("unsynchronised", unsynchronised_clock, z, device, peak)
+        results["discipline"] = dict(unsynchronised=unsync, first_vs_warm=first_vs_warm(ceil),
+                                     jax=attempt("jax", jax_dispatch, z, device))
+        if unsync and device.type == "cuda":
+            results["checks"]["unsynchronised_clock_is_wrong"] = unsync["no_sync_s"] < 0.5 * unsync["sync_s"]
         if ops and ov:
             args.out.mkdir(parents=True, exist_ok=True)
-            fig = attempt("figure", figure, args.out / "01_roofline.png", ops, ceil, ov)
-            print(f"\n5. Figure: {fig}")
-            results["figure"] = fig
+            results["figure"] = attempt("figure", figure, args.out / "01_roofline.png", ops, ceil, ov)
+            print(f"\n5. Figure: {results['figure']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1))
-        print(f"JSON written to {args.json}")
+        print(f"JSON: {args.json}")
     failed = [k for k, ok in results["checks"].items() if not ok]
     if failed:
         print(f"FAILED checks: {failed}")

@@ -6,6 +6,7 @@ Tests for perf-lessons, on the CPU: the shared models, then every lesson run for
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -214,3 +215,333 @@ def test_jax_checkpointing_gives_the_same_gradients(jax_highest):
         grads.append(nnx.grad(lambda m: m(x[:, :-1], x[:, 1:])[1])(model))
     for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------
+# 01_roofline.py
+
+@pytest.fixture(scope="module")
+def roofline(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("roofline")
+    return run_lesson("01_roofline.py", tmp_path=tmp), tmp
+
+
+def test_roofline_measures_both_ceilings(roofline):
+    r, tmp = roofline
+    c = r["ceilings"]
+    assert c["peak_flops"] > 0 and c["bandwidth_bytes_per_s"] > 0
+    assert c["ridge_flop_per_byte"] == pytest.approx(c["peak_flops"] / c["bandwidth_bytes_per_s"])
+    assert all(r["checks"].values()) and not r["errors"]
+    assert (tmp / "01_roofline.png").exists()
+
+
+def test_roofline_classifies_from_the_measurement(roofline):
+    ops = roofline[0]["ops"]
+    assert ops["matmul_large"]["measured"] == "compute"
+    assert ops["vector_add"]["measured"] != "compute"
+    assert ops["vector_add"]["predicted"] == "bandwidth" and ops["matmul_large"]["predicted"] == "compute"
+    assert {op["measured"] for op in ops.values()} <= {"compute", "bandwidth", "overhead"}
+    assert roofline[0]["overhead"]["floor_s"] > 0
+
+
+def test_roofline_unsynchronised_timing_shown_or_skipped_with_reason(roofline):
+    r = roofline[0]
+    unsync = r["discipline"]["unsynchronised"]
+    if r["device"]["type"] == "cuda":  # the wrong clock reads only the launch
+        assert unsync["no_sync_s"] < unsync["sync_s"]
+    else:  # no async dispatch in PyTorch on a CPU: skipped, never silently
+        assert "skipped" in unsync and len(unsync["skipped"]) > 20
+    jax_part = r["discipline"]["jax"]  # JAX dispatches asynchronously on a CPU too
+    assert "skipped" in jax_part or jax_part["dispatch_is_async"]
+
+
+@pytest.mark.parametrize("flags", [["--device", "tpu"], ["--no-such-flag"]])
+def test_roofline_bad_flags_exit_2(flags):
+    proc = subprocess.run([sys.executable, "01_roofline.py", *flags], cwd=HERE,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+def test_roofline_cuda_without_gpu_says_so():
+    proc = subprocess.run([sys.executable, "01_roofline.py", "--device", "cuda"], cwd=HERE,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "no CUDA GPU" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# 02_hardware.py
+
+def test_02_hardware_quick_cpu(tmp_path):
+    out = run_lesson("02_hardware.py", tmp_path=tmp_path)
+    assert out["lesson"] == "02_hardware" and out["quick"] is True
+    assert all(out["checks"].values()), out["checks"]
+    # 1. the bandwidth-vs-size curve is there, positive, and spans KB to MB
+    points = out["hierarchy"]["points"]
+    assert len(points) >= 8
+    assert all(math.isfinite(p["gb_per_s"]) and p["gb_per_s"] > 0 for p in points)
+    assert points[0]["bytes"] <= 32 << 10 and points[-1]["bytes"] >= 8 << 20
+    # 2. the ladder: error grows as bits shrink, format facts from torch.finfo
+    formats = out["ladder"]["formats"]
+    assert formats["fp32"]["rel_error"] < formats["bf16"]["rel_error"]
+    assert formats["fp32"]["rel_error"] < 1e-5 and formats["bf16"]["rel_error"] < 2e-2
+    assert formats["fp32"]["bits"] == 32 and formats["bf16"]["bits"] == 16
+    assert formats["bf16"]["eps"] == 2.0 ** -7
+    assert all(f["tflops"] > 0 for f in formats.values())
+    assert "tf32" in out["ladder"]["skipped"]  # a GPU tensor-core mode, stated why
+    # 5. prefill: intensity rises with the token count; decode ceiling = bandwidth / weight bytes
+    pd = out["prefill_decode"]
+    intensity = [r["intensity"] for r in pd["rows"]]
+    assert intensity == sorted(intensity) and intensity[-1] > 10 * intensity[0]
+    assert pd["rows"][0]["tokens"] == 1
+    gpt2 = pd["decode"]["gpt2"]
+    assert abs(gpt2["tokens_per_s_ceiling"] * gpt2["weight_bytes_bf16"] / 1e9 / pd["bandwidth_gb_per_s_used"] - 1) < 1e-6
+    assert pd["decode"]["gpt2-medium"]["tokens_per_s_ceiling"] < gpt2["tokens_per_s_ceiling"]
+    # 3, 4: GPU-only parts carry a reason on the CPU (energy still lists the references)
+    assert out["interconnect"]["skipped"]
+    assert out["energy"]["skipped"] and out["energy"]["reference_pj_horowitz_2014"]
+    # 6. the spec table carries the reference rows beside this machine
+    assert {"RTX 4090", "A100 SXM 80GB", "H100 SXM", "H200 SXM"} <= set(out["spec_table"]["reference"])
+    assert out["spec_table"]["this_machine"]["fp32"] > 0
+
+
+# ---------------------------------------------------------------------------------------
+# 03_compile.py
+
+def test_compile_lesson(tmp_path):
+    r = run_lesson("03_compile.py", tmp_path=tmp_path)
+    checks = r["checks"]
+    # every compiled result equals eager (torch.compile, jax.jit) within the stated tolerance
+    for name in ["overhead_torch_compile_equals_eager", "overhead_jax_jit_equals_jax_eager",
+                 "overhead_jax_equals_torch_eager", "bandwidth_torch_compile_equals_eager",
+                 "bandwidth_jax_jit_equals_jax_eager", "bandwidth_jax_equals_torch_eager",
+                 "matmul_torch_compile_equals_eager", "matmul_jax_jit_equals_torch_eager"]:
+        assert checks[name] is True, name
+    assert all(checks.values()) and not r["errors"], (checks, r["errors"])
+    # fusion: eager dispatches one op per op, the compiled chain is one call
+    launches = r["overhead"]["launches_per_call"]
+    assert launches["eager"]["ops_dispatched"] == r["overhead"]["n_ops"] == 48
+    assert launches["torch_compile"]["ops_dispatched"] <= 2
+    # bytecode capture: .item() and print break the graph, the clean function does not
+    cap = r["capture_torch"]
+    assert cap["dirty"]["graph_break_count"] > 0 and cap["dirty"]["graph_count"] > 1
+    assert cap["clean"]["graph_break_count"] == 0 and cap["clean"]["graph_count"] == 1
+    # recompiles: one per new shape when static, none for a repeated shape, one in all when dynamic
+    shapes = cap["compiles_for_shapes"]
+    assert shapes["shapes"] == [8, 16, 8, 32]
+    assert shapes["dynamic=False"] == [1, 2, 2, 3]
+    assert shapes["dynamic=True"] == [1, 1, 1, 1]
+    # tracing: the Python counter inside the jitted function counts traces
+    jx = r["capture_jax"]
+    assert jx["traces_for_shapes"]["traces_after_each"] == [1, 2, 2, 3]
+    assert jx["traces_for_static_args"]["traces_after_each"] == [1, 2, 2]
+    assert jx["nonstatic_loop_bound_error"] is not None
+    # XLA's cost model sees one fused pass: bytes accessed ~ the one-read-one-write floor
+    if jx["aot"]["bytes_accessed"]:
+        assert abs(jx["aot"]["bytes_accessed"] / jx["aot"]["bytes_floor"] - 1) < 0.1
+    # the bandwidth accounting: eager moves 11 N values, fused 3 N
+    bw = r["bandwidth"]
+    assert bw["bytes_eager"] * 3 == bw["bytes_floor"] * 11
+
+
+# ---------------------------------------------------------------------------------------
+# 04_memory.py
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory):
+    """One quick CPU run of 04_memory.py shared by the tests below (~10 s on 2 cores)."""
+    return run_lesson("04_memory.py", tmp_path=tmp_path_factory.mktemp("04_memory"))
+
+
+def test_memory_accounting_is_exact(memory):
+    # params / grads / AdamW moments: predicted from the config = counted numel x element_size
+    # of the live parameters, their .grad and the optimizer's exp_avg + exp_avg_sq tensors
+    a = memory["anatomy"]
+    cfg = GPTConfig(**{k: v for k, v in memory["config"].items() if k not in ("batch_size", "seq_len")})
+    for k in ("params", "grads", "optimizer"):
+        assert a["predicted"][k] == a["counted"][k], k
+    assert all(a["counted"][k] == v for k, v in state_bytes(cfg).items())
+    assert a["counted"]["params"] + a["counted"]["grads"] + a["counted"]["optimizer"] == 16 * param_count(cfg)
+    assert abs(a["predicted"]["activations"] / a["counted"]["activations"] - 1) < 0.01
+    assert all(memory["checks"][f"anatomy_{k}_exact"] for k in ("params", "grads", "optimizer"))
+
+
+def test_memory_autocast_keeps_state_fp32(memory):
+    dtypes = memory["mixed_precision"]["rows"]["bf16 autocast"]["dtypes"]
+    assert dtypes == {k: ["torch.float32"] for k in ("params", "grads", "optimizer")}
+
+
+def test_memory_checkpointing_lowers_activations_same_grads(memory):
+    c = memory["checkpointing"]
+    for prec, plain in (("fp32", "fp32"), ("bf16", "bf16 autocast")):
+        assert c["rows"][f"{prec} + checkpoint"]["activations_counted"] < c["rows"][plain]["activations_counted"]
+    assert c["grad_max_rel_error"] <= 1e-6 and memory["checks"]["checkpoint_grads_equal"]
+
+
+def test_memory_accumulated_grads_equal_full_batch(memory):
+    acc = memory["accumulation"]
+    assert memory["checks"]["accumulated_grads_equal_full_batch"] is True
+    assert acc["grad_max_rel_error"] < 1e-5
+    assert acc["activations_counted_micro"] < acc["activations_counted_full"]
+    assert all(memory["checks"].values()), memory["checks"]
+
+
+# ---------------------------------------------------------------------------------------
+# 05_ddp_scratch.py
+
+@pytest.mark.parametrize("nproc", [2, 3, 4])
+def test_ddp_scratch_under_torchrun(nproc, tmp_path):
+    r = run_lesson("05_ddp_scratch.py", nproc=nproc, tmp_path=tmp_path)
+    assert r["lesson"] == "05_ddp_scratch" and r["world_size"] == nproc and r["backend"] == "gloo"
+    assert all(r["checks"].values()), r["checks"]
+    # hand-rolled data parallelism: identical replicas, same as one process on the whole batch
+    d = r["ddp"]
+    assert d["replicas_identical"] and d["grad_max_rel_err_vs_single"] <= 1e-5
+    assert d["param_diff_over_distance_moved"] <= 1e-3
+    # ring and naive all-reduce from send/recv equal dist.all_reduce on awkward lengths
+    a = r["allreduce_correctness"]
+    assert any(n % nproc for n in a["lengths"]) and min(a["lengths"]) < nproc + 1
+    assert a["ring_max_rel_err"] <= 1e-6 and a["naive_max_rel_err"] <= 1e-6
+    # the bill: each rank sends 2(N-1)/N S in the ring (counted), rank 0 sends (N-1) S in naive
+    b = r["bill"]
+    for S, ring, naive in zip(b["sizes_bytes"], b["ring"]["bytes_sent_max_rank"], b["naive"]["bytes_sent_max_rank"]):
+        assert abs(ring - 2 * (nproc - 1) / nproc * S) <= 2 * (nproc - 1) * 4
+        assert naive == (nproc - 1) * S
+    for k in ("naive", "ring", "library"):
+        assert len(b[k]["median_s"]) == len(b["sizes_bytes"]) and min(b[k]["median_s"]) > 0
+        assert b["fit"][k]["beta_s_per_byte"] >= 0 and b["fit"][k]["alpha_s"] >= 0
+    g = r["gradients"]
+    assert g["bucketed_vs_per_param_max_rel_err"] <= 1e-6 and g["n_buckets"] < g["grad_tensors"]
+    assert 0 < g["predicted_efficiency_library_no_overlap"] <= 1
+    assert (tmp_path / "05_ddp_scratch_allreduce.png").exists()
+
+
+def test_ddp_scratch_runs_as_one_rank(tmp_path):
+    r = run_lesson("05_ddp_scratch.py", tmp_path=tmp_path)
+    assert r["world_size"] == 1 and all(r["checks"].values()) and "bill" not in r
+    assert r["ddp"]["max_abs_param_diff_vs_single"] == 0
+
+
+def test_ddp_scratch_half_set_environment_fails_clearly():
+    env = dict(os.environ, RANK="0", CUDA_VISIBLE_DEVICES="")
+    for v in ("WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(v, None)
+    proc = subprocess.run([sys.executable, "05_ddp_scratch.py", "--quick", "--device", "cpu"], cwd=HERE,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "half-set" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# 06_ddp_prod.py
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_06_ddp_equals_handrolled_and_no_sync(nproc, tmp_path):
+    r = run_lesson("06_ddp_prod.py", nproc=nproc, tmp_path=tmp_path)
+    assert r["framework"] == "torch" and r["world_size"] == nproc and r["backend"] == "gloo"
+    assert all(r["checks"].values()), r["checks"]
+    assert r["equivalence"]["max_abs_param_diff"] < 1e-4
+    if nproc == 2:  # a + b == b + a: two ranks agree bit for bit
+        assert r["equivalence"]["max_abs_param_diff"] == 0
+    ns = r["no_sync"]
+    k = ns["k"]
+    assert ns["sync_every"]["allreduce_calls"] == k * ns["no_sync"]["allreduce_calls"]
+    # the trap: no_sync around backward only, forward outside -> no saving at all
+    assert ns["backward_only_in_no_sync"]["allreduce_calls"] == ns["sync_every"]["allreduce_calls"]
+    assert ns["max_abs_grad_diff"] <= 1e-5 * ns["max_abs_grad"]
+    # hand-rolled: one call per tensor; DDP: a few buckets, fewer with bigger buckets
+    sweep = r["bucket_sweep"]
+    assert sweep[0]["allreduce_calls_per_step"] >= sweep[-1]["allreduce_calls_per_step"] >= 1
+    assert r["step_time"]["handrolled"]["allreduce_calls_per_step"] > sweep[-1]["allreduce_calls_per_step"]
+    # FSDP2: params + grads + AdamW state per rank ~ 1/N of DDP's replica
+    assert abs(r["fsdp"]["sharded_over_replicated"] * nproc - 1) < 0.05
+
+
+def test_06_jax_mesh_inserts_allreduce_and_matches_one_device(tmp_path):
+    r = run_lesson("06_ddp_prod.py", "--framework", "jax", devices=4, tmp_path=tmp_path)
+    assert r["framework"] == "jax" and r["n_devices"] == 4
+    assert all(r["checks"].values()), r["checks"]
+    assert r["single_device"]["collectives"]["all-reduce"] == 0
+    assert r["data_parallel"]["collectives"]["all-reduce"] > 0
+    assert "all-reduce" in r["data_parallel"]["allreduce_example"]
+    assert r["data_parallel"]["max_rel_loss_diff"] < 1e-4
+    assert r["sharded_params"]["max_rel_loss_diff"] < 1e-4
+    assert abs(r["sharded_over_replicated"] * 4 - 1) < 0.05
+
+
+def test_06_wrong_launches_say_what_to_run():
+    # the torch half without torchrun: exit 2, saying how to launch it
+    p = subprocess.run([sys.executable, "06_ddp_prod.py", "--framework", "torch"], cwd=HERE,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "torchrun --nproc_per_node" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# 07_capstone_torch.py
+
+RUNG_KEYS = {"name", "ms_per_step", "tokens_per_s", "mfu_datasheet", "mfu_measured_peak", "peak_mem_bytes",
+             "activation_bytes", "loss", "loss_rel_diff", "compile_s", "speedup", "tokens_per_step"}
+
+
+@pytest.fixture(scope="module")
+def capstone_torch(tmp_path_factory):
+    return run_lesson("07_capstone_torch.py", tmp_path=tmp_path_factory.mktemp("capstone_torch"))
+
+
+def test_capstone_torch_every_rung_runs_and_reports(capstone_torch):
+    r = capstone_torch
+    assert r["lesson"] == "07_capstone_torch" and r["quick"]
+    assert r["flops_per_token"] > 0 and r["peaks"]["measured_bf16_matmul"] > 0 and r["mfu_definition"]
+    single, ddp = r["rungs"][:-1], r["rungs"][-1]
+    assert [x["name"] for x in single] == ["fp32 eager", "+ TF32", "+ bf16 autocast", "+ flash attention (SDPA)",
+                                           "+ torch.compile", "+ fused AdamW", "+ vocab 50304, 1 micro-step",
+                                           "+ activation checkpointing"]
+    for rung in single:
+        assert RUNG_KEYS <= rung.keys(), rung["name"]
+        assert rung["tokens_per_s"] > 0 and rung["ms_per_step"] > 0, rung["name"]
+        assert rung["tokens_per_step"] == single[0]["tokens_per_step"]  # same math on every rung
+    assert not single[-1]["kept"]  # checkpointing is measured, then dropped
+    assert "skipped" in ddp  # one CPU device: the DDP rung says why it did not run
+    assert r["checks"]["all_single_device_rungs_ran"]
+
+
+def test_capstone_torch_losses_track_the_baseline(capstone_torch):
+    r = capstone_torch
+    assert r["checks"]["losses_track_baseline"]
+    tol = r["loss_check"]["rel_tolerance"]
+    assert all(x["loss_rel_diff"] <= tol for x in r["rungs"][:-1])
+
+
+def test_capstone_torch_checkpointing_lowers_activation_memory(capstone_torch):
+    rungs = {x["name"]: x for x in capstone_torch["rungs"]}
+    ckpt = rungs["+ activation checkpointing"]
+    before = rungs[ckpt["builds_on"]]  # the configuration checkpointing was added to
+    assert ckpt["activation_bytes"] < before["activation_bytes"]
+    assert capstone_torch["checks"]["checkpointing_lowers_activation_memory"]
+
+
+# ---------------------------------------------------------------------------------------
+# 07_capstone_jax.py
+
+def test_capstone_jax_waterfall(tmp_path):
+    # every rung of the JAX waterfall, 2 steps each, the last one sharded over 4 simulated devices
+    out = run_lesson("07_capstone_jax.py", devices=4, timeout=400, tmp_path=tmp_path)
+    assert out["lesson"] == "07_capstone_jax" and out["quick"] and out["device"]["count"] == 4
+    rungs = {r["name"]: r for r in out["rungs"]}
+    assert len(rungs) == 8
+    for r in out["rungs"]:  # every rung ran and reported (no skip, no failure)
+        assert "failed" not in r and "skipped" not in r, r
+        assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["mfu_measured_peak"] > 0
+        assert r["loss_rel_diff"] <= out["loss_check"]["rel_tolerance"]  # the math did not change
+    names = [r["name"] for r in out["rungs"]]
+    base, jit = out["rungs"][0], out["rungs"][1]
+    assert base["settings"]["jit"] is False and base["compile_s"] == 0 and jit["compile_s"] > 0
+    assert base["settings"]["precision"] == "highest" and base["settings"]["vocab"] == 50257
+    # the sharded rung used all 4 devices, each with its slice of the same global batch
+    shard = out["rungs"][-1]
+    assert shard["world_size"] == 4 and shard["tokens_per_step"] == base["tokens_per_step"]
+    # checkpointing saves activations: fewer bytes kept for backward than the rung before
+    ck = next(i for i, n in enumerate(names) if n.startswith("+ activation checkpointing"))
+    assert out["rungs"][ck]["activation_bytes"] < out["rungs"][ck - 1]["activation_bytes"]
+    assert out["flops_per_token"] > 0 and out["peaks"]["measured_bf16_matmul"] > 0
+    assert all(out["checks"].values()), out["checks"]
+    assert (tmp_path / "07_capstone_jax.png").exists()
