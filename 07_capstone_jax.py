@@ -355,10 +355,13 @@ def main():
     peaks = dict(datasheet_bf16=datasheet_bf16_peak(name) if gpu else None,  # reference: datasheet
                  measured_bf16_matmul=measured_matmul_peak(jnp.bfloat16, 8192 if gpu else 512),
                  measured_fp32_matmul=None if gpu else measured_matmul_peak(jnp.float32, 512))
+    # MFU's second denominator: this machine's own matmul peak, the faster of bf16 and fp32
+    # (a CPU without bf16 units runs fp32 matmuls faster, and is then judged against fp32)
+    measured_peak = max(peaks["measured_bf16_matmul"], peaks["measured_fp32_matmul"] or 0)
     attn_impl, attn_probe = pick_attention(gpu)
     print(f"model: {preset}{' (quick: 2 layers, T=64)' if args.quick else ''}, T={cfg.block_size}, "
           f"flops_per_token = 6N + 12LTd = {fpt / 1e6:.1f} MFLOP (derived) | peaks: datasheet bf16 "
-          f"{peaks['datasheet_bf16'] / 1e12 if peaks['datasheet_bf16'] else float('nan'):.0f} TFLOP/s (reference), "
+          + (f"{peaks['datasheet_bf16'] / 1e12:.0f}" if peaks['datasheet_bf16'] else "n/a (unknown device)") + " TFLOP/s (reference), "
           f"measured bf16 matmul {peaks['measured_bf16_matmul'] / 1e12:.3g} TFLOP/s"
           + (f", fp32 {peaks['measured_fp32_matmul'] / 1e12:.3g}" if peaks["measured_fp32_matmul"] else "")
           + f" | fused attention: {attn_impl}" + (f" (probe, fwd+bwd ms: {attn_probe})" if attn_probe else ""))
@@ -388,7 +391,7 @@ def main():
         if "tokens_per_s" in r:
             per_device = r["tokens_per_s"] / r["world_size"]
             r["mfu_datasheet"] = fpt * per_device / peaks["datasheet_bf16"] if peaks["datasheet_bf16"] else None
-            r["mfu_measured_peak"] = fpt * per_device / peaks["measured_bf16_matmul"]
+            r["mfu_measured_peak"] = fpt * per_device / measured_peak
             r["speedup"] = r["tokens_per_s"] / rungs[0]["tokens_per_s"] if rungs and "tokens_per_s" in rungs[0] else 1.0
             print(f"   measured: {r['ms_per_step']:.1f} ms/step (min {r['ms_min']:.1f}, max {r['ms_max']:.1f}), "
                   f"{r['tokens_per_s']:,.0f} tokens/s, compile {r['compile_s']:.1f} s, "
@@ -433,8 +436,8 @@ def main():
           f"scratch per device (XLA's memory analysis; n/a un-jitted); act mem = bytes jax.vjp saves for backward "
           f"(counted by tracing); derived: speed-up, MFU; loss compared at step {args.check_step}, tolerance {tol:.0%})")
     ratio = targets["ratio_to_torch"]
-    print(f"targets: final single-device rung '{final['name']}': MFU {targets['mfu_datasheet'] or float('nan'):.1%} "
-          f"of the datasheet peak, {targets['speedup'] or float('nan'):.1f}x the un-jitted baseline; "
+    print(f"targets: final single-device rung '{final['name']}': MFU {format(targets['mfu_datasheet'] or 0, '.1%') if targets['mfu_datasheet'] else 'n/a'} "
+          f"of the datasheet peak, {format(targets['speedup'] or 0, '.1f') if targets['speedup'] else 'n/a'}x the un-jitted baseline; "
           + (f"{ratio:.0%} of torch's tokens/s (target 90%)" if ratio else "vs torch: pass --torch-json (same config)"))
     for k, v in checks.items():
         print(f"check {k}: {'ok' if v else 'FAILED'}")
@@ -451,7 +454,7 @@ def main():
             preset=preset, seq_len=cfg.block_size, tokens_per_step=int(batches[0][0].size), tokenizer=tokenizer,
             flops_per_token=fpt, peaks=peaks, attention_probe=attn_probe, attention_impl=attn_impl,
             mfu_definition="flops_per_token (6N + 12LTd, GPT-2 vocab 50257) x tokens/s per device / peak FLOP/s "
-                           "(datasheet dense bf16, or this run's measured bf16 matmul)",
+                           "(datasheet dense bf16, or this run's measured matmul peak: the faster of bf16 and fp32)",
             loss_check=dict(step=args.check_step, rel_tolerance=tol), rungs=rungs, targets=targets,
             checks=checks, wall_s=wall), indent=1))
     if not all(checks.values()):
