@@ -220,6 +220,15 @@ def place_ops(z, device, peak, bw):
               f"{flops / time_s / bound:>8.0%}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    over = [op for op in ops.values() if op["fraction_of_bound"] > 1]
+    if any(op["intensity"] * bw >= peak for op in over):
+        print("  above 100% of the compute roof (derived): that roof is the median of back-to-back"
+              " matmuls on a power-limited chip, a sustained rate; a short op can run above it")
+    if any(op["intensity"] * bw < peak for op in over):
+        print("  above 100% of the memory roof (derived): the copy roof counts 2 bytes per element"
+              + (" moved,\n    but a CPU's write-allocate reads the destination first, so a copy moves 3"
+                 " (an add 4 for 3 counted): adds and scales can beat the copy" if device.type == "cpu"
+                 else " moved and is a median of sustained copies; a short op can run a little above it"))
     return ops
 
 
@@ -236,7 +245,11 @@ def overhead_sweep(z, device, bw):
                     z["target_s"])
         sweep.append(dict(elements=2**p, bytes=3 * 2**p * 4, time_s=t["median_s"]))
     floor = statistics.median(s["time_s"] for s in sweep[:3])
-    grown = next((s["bytes"] for s in sweep if s["time_s"] > 2 * floor), None)
+    i = next((i for i, s in enumerate(sweep) if s["time_s"] > 2 * floor), None)
+    grown = sweep[0]["bytes"] if i == 0 else None
+    if i:  # sizes step 4x: interpolate log-log between the two points that bracket 2x the floor
+        (b0, t0), (b1, t1) = [(sweep[j]["bytes"], sweep[j]["time_s"]) for j in (i - 1, i)]
+        grown = b0 * (b1 / b0) ** (math.log(2 * floor / t0) / math.log(t1 / t0))
     return dict(floor_s=floor, sweep=sweep, crossover_bytes=grown, predicted_crossover_bytes=floor * bw)
 
 
@@ -254,8 +267,8 @@ def regimes(z, device, ops, peak, bw):
     print("  vector add, time per call against size (measured):\n   "
           + "  ".join(f"{count(s['elements'])}:{secs(s['time_s'])}" for s in ov["sweep"]))
     print(f"  overhead floor {secs(ov['floor_s'])} per call (the 3 smallest sizes); time doubles from it at"
-          f" {si(ov['crossover_bytes'] or math.nan, 'B')} per call (predicted: floor x bandwidth ="
-          f" {si(ov['predicted_crossover_bytes'], 'B')})")
+          f" {si(ov['crossover_bytes'] or math.nan, 'B')} per call (derived: interpolated log-log; predicted:"
+          f" floor x bandwidth = {si(ov['predicted_crossover_bytes'], 'B')})")
     print(f"  rule: overhead-bound if the time is under {FLAT}x the same op's on toy inputs (every"
           f" dimension <= 8): flat in size;\n        else bound by the roof it comes nearer to"
           f" (the larger fraction: achieved/peak FLOP/s or achieved/peak bytes/s),\n        'near'"
@@ -423,10 +436,10 @@ def sizes(device, quick):
 def keep_freed_memory():
     """glibc hands a big CPU tensor fresh pages from the OS on every call, and touching each
     4 KB page for the first time costs more than a vector add's arithmetic. A GPU's caching
-    allocator keeps freed memory; ask glibc to do the same (M_MMAP_ and M_TRIM_THRESHOLD)."""
+    allocator keeps freed memory; ask glibc to do the same (M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 1 GB)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return libc.mallopt(-3, 2**30) == 1 and libc.mallopt(-1, 2**30) == 1
+        return libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**30) == 1
     except (OSError, AttributeError):
         return False
 

@@ -112,7 +112,7 @@ def memory_hierarchy(dev, quick):
         if size > l2 > 0:
             # Past a GPU's L2 that kernel flatters: its rows run side by side, so they share each
             # read through the cache (we measured 7 TB/s at 1 GB, above HBM's 4.8). Stream the
-            # whole set once per kernel instead; at these sizes a launch is noise.
+            # whole set once per kernel instead; at the largest sizes a launch is noise.
             reread = lambda: [x.sum() for _ in range(repeats)]
         med, lo, hi = bench(reread, 3 if quick else 5, dev, warmup=1)
         read = repeats * size
@@ -130,6 +130,9 @@ def memory_hierarchy(dev, quick):
           f"largest working set ({points[-1]['bytes'] / 2**20:.0f} MB) {points[-1]['gb_per_s']:.0f} GB/s "
           f"= {peak['gb_per_s'] / points[-1]['gb_per_s']:.1f}x slower ("
           + ("the main-memory roof)" if points[-1]["bytes"] > max(caches.values(), default=0) else "still in a cache)"))
+    if any(p["bytes"] > l2 > 0 for p in points):
+        print(f"  note (how measured): past the L2 ({l2 / 2**20:g} MB) each re-read is a separate x.sum() kernel, so the"
+              f" smaller of those sizes include a fixed per-kernel cost (~us) and can read below the largest")
     return dict(points=points, caches_bytes=caches, main_memory_gb_per_s=points[-1]["gb_per_s"],
                 fastest_gb_per_s=peak["gb_per_s"], fastest_bytes=peak["bytes"])
 
@@ -183,12 +186,12 @@ def format_ladder(dev, quick):
     for name, r in formats.items():
         r["speedup_vs_fp32"] = r["tflops"] / base if base else None
         print(f"  {name:>6} {r['bits']:>5} {r['eps']:>9.2e} {r['max']:>9.3g} | {r['tflops']:>19.4g} "
-              f"{r['speedup_vs_fp32'] or float('nan'):>7.1f} {r['rel_error']:>11.2e}")
+              f"{r['speedup_vs_fp32'] or float('nan'):>7.3g} {r['rel_error']:>11.2e}")
     if "fp8" in formats and not cuda:
-        print("  note: this CPU has no fp8 units; torch emulates fp8 there (slow), the error is still fp8's")
+        print("  note: this CPU has no fp8 units; torch emulates fp8 there (no tensor cores), the error is still fp8's")
     for name, why in skipped.items():
         print(f"  {name}: skipped - {why}")
-    print("  ladder (derived, x fp32): " + " : ".join(f"{k} {v['speedup_vs_fp32'] or 0:.1f}" for k, v in formats.items()))
+    print("  ladder (derived, x fp32): " + " : ".join(f"{k} {v['speedup_vs_fp32'] or 0:.3g}" for k, v in formats.items()))
     return dict(n=n, formats=formats, skipped=skipped)
 
 
@@ -215,6 +218,9 @@ def interconnect(dev, quick):
         print(f"  {name:>13}: {size / med / 1e9:7.1f} GB/s measured (min-max {size / hi / 1e9:.1f}-{size / lo / 1e9:.1f})")
     result["h2d_pinned_over_pageable"] = result["h2d_pinned_gb_per_s"] / result["h2d_pageable_gb_per_s"]
     print(f"  derived: pinned / pageable H2D = {result['h2d_pinned_over_pageable']:.1f}x")
+    if result["h2d_pinned_over_pageable"] > 3:
+        print("  above the predicted 2-3x: pageable memory is staged through a pinned bounce buffer by one CPU"
+              " thread, so its speed depends on the host; this one is slower than predicted")
     del pageable, pinned, gpu
     if torch.cuda.device_count() < 2:
         result["peer"] = "one GPU: no GPU<->GPU link to measure (P2P needs >= 2 GPUs)"
@@ -359,6 +365,11 @@ def prefill_vs_decode(dev, quick, peak_flops, bandwidth):
     print(f"  measured crossover: {crossover:.0f} tokens (flat {flat:.2f} us meets {slope * 1e3:.3f} ns/token); "
           f"its intensity {layer_intensity(crossover, d, f, elt):.0f} FLOP/byte = {x_ratio:.2f}x the ridge; "
           f"derived: intensity reaches the ridge at {ridge_tokens:.0f} tokens")
+    frac = rows[0]["gb_per_s"] * 1e9 / bandwidth
+    print(f"  derived: at 1 token the layer reads {rows[0]['gb_per_s']:.0f} GB/s = {frac:.0%} of the measured {bandwidth / 1e9:.0f} GB/s")
+    if cuda and frac < 0.5:
+        print("  the decode end is latency-bound (a per-kernel floor) for a layer this small, not bandwidth-bound"
+              + (", which is why the measured crossover sits above the ridge" if x_ratio > 1 else ""))
     decode = {}
     for preset in ["gpt2", "gpt2-medium"]:
         n = param_count(GPTConfig.preset(preset), position=False)  # every weight matrix, lm_head included
@@ -482,7 +493,7 @@ def main():
     checks["ladder_error_grows_as_bits_shrink"] = len(errs) >= 2 and "fp32" in fmts and "bf16" in fmts and errs == sorted(errs)
     rows = prefill.get("rows", [])
     checks["prefill_intensity_rises"] = len(rows) > 1 and all(x["intensity"] < y["intensity"] for x, y in zip(rows, rows[1:]))
-    if dev.type == "cuda":
+    if "H200" in info["name"]:
         tf = lambda k: fmts.get(k, {}).get("tflops", 0)
         ic = results.get("interconnect", {})
         targets = dict(bf16_at_least_750_tflops=tf("bf16") >= 750,
@@ -492,6 +503,8 @@ def main():
                        crossover_within_2x_of_ridge=0.5 <= prefill.get("crossover_over_ridge", 0) <= 2)
         results["targets"] = targets
         print("\ntargets (H200): " + ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in targets.items()))
+    else:
+        print(f"\ntargets: not evaluated - they are for an H200, this is {info['name']}")
     results["checks"] = checks
     print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
     os.makedirs(args.out, exist_ok=True)

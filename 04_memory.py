@@ -256,7 +256,7 @@ def mixed_precision(cfg, B, T, dev, reps, checks):
     print(f"  loss fp32 {loss32:.5f}, bf16 {loss16:.5f} (same weights and batch); bf16 step speed {speedup:.2f}x fp32 (derived)"
           + ("" if dev.type == "cuda" else " - this CPU emulates bf16 matmuls; on a CPU, memory is the point"))
     checks["autocast_keeps_state_fp32"] = all(v == ["torch.float32"] for v in bf["dtypes"].values())
-    checks["bf16_loss_close_to_fp32"] = abs(loss16 / loss32 - 1) < 0.02
+    checks["bf16_loss_close_to_fp32"] = abs(loss16 / loss32 - 1) < 1e-3
     return dict(rows=rows, loss_fp32=loss32, loss_bf16=loss16, bf16_speedup=speedup)
 
 
@@ -265,7 +265,7 @@ def checkpointing(cfg, B, T, dev, reps, plain_rows, checks):
     insides (16 d values): activations fall to activation_bytes(checkpoint=True); the head
     (ln_f, the V-wide log-softmax) is outside the blocks and stays. Cost: the blocks'
     forward runs again in backward, 24 L d^2 + 4 L T d more FLOPs per token: about
-    +20-40% step time on a GPU. Gradients: the same kernels on the same inputs, so equal."""
+    +20-40% step time on a GPU. Gradients: the same kernels on the same inputs, so equal to rounding."""
     model, opt = new_model(cfg, dev)
     x, y = batch(cfg, B, T, dev)
     grads = {}
@@ -333,7 +333,7 @@ def accumulation(cfg, b, k, T, dev, checks):
     print(f"  activations of one forward, MiB: predicted {mib(activation_bytes(cfg, k * b, T))} vs "
           f"{mib(activation_bytes(cfg, b, T))}; counted {mib(saved_full)} vs {mib(saved_acc)}")
     if cuda:
-        print(f"  step peak above params + optimizer state, measured: full batch {mib(peak_full)} MiB, accumulated "
+        print(f"  forward + backward peak above the parameters, measured: full batch {mib(peak_full)} MiB, accumulated "
               f"{mib(peak_acc)} MiB (both include the {mib(nbytes(g_full))} MiB of gradients)")
     checks["accumulated_grads_equal_full_batch"] = err < 1e-4
     checks["accumulation_peak_below_full_batch"] = (peak_acc < peak_full) if cuda else (saved_acc < saved_full)
@@ -451,6 +451,9 @@ def what_fits(cfg, T, dev, budget_gb, quick, checks):
                      " (search stopped at its time cap)") + f"   ({len(probes)} probes, {row['seconds']:.0f} s)")
         rows.append(row)
         print(line)
+    if cuda and any(r["predicted"] > r["measured"] for r in rows):
+        print("  predicted > measured: the prediction counts tensors only; it ignores the caching allocator's"
+              " fragmentation and temporaries")
     out = dict(budget_gib=budget / GiB, rows=rows, skipped=None if cuda else "no caching allocator on the CPU")
     key = "measured" if cuda else "predicted"
     if cuda:

@@ -80,19 +80,24 @@ def finish(result, args):
 
 def setup_torch(args):
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this node: its GPUs serve them
     n_gpus = torch.cuda.device_count()
-    if args.device == "cuda" and n_gpus < world:
-        sys.exit(f"--device cuda: {world} ranks but {n_gpus} GPU(s); NCCL needs one GPU per rank "
-                 f"(torchrun --nproc_per_node={max(n_gpus, 1)}, or --device cpu)")
-    cuda = args.device != "cpu" and n_gpus >= world
+    if args.device == "cuda" and n_gpus < local_world:
+        sys.exit(f"--device cuda: {local_world} ranks on this node but {n_gpus} GPU(s); NCCL needs one GPU per "
+                 f"rank (torchrun --nproc_per_node={max(n_gpus, 1)}, or --device cpu)")
+    cuda = args.device != "cpu" and n_gpus >= local_world
     device = torch.device(f"cuda:{local}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     # a timeout: if one rank dies, the others fail after 2 minutes instead of hanging
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    except Exception as e:  # rendezvous timeout, port in use, ...: one sentence, not a traceback
+        sys.exit(f"could not start the process group ({backend}, rank {rank} of {world}): "
+                 f"{(str(e) or type(e).__name__).splitlines()[0]}")
     if rank == 0:
-        why = "each rank has its own GPU" if cuda else f"{n_gpus} GPU(s) for {world} ranks"
+        why = "each rank has its own GPU" if cuda else f"{n_gpus} GPU(s) for {local_world} ranks on this node"
         name = torch.cuda.get_device_name(device) if cuda else "CPU"
         mem = (torch.cuda.get_device_properties(device).total_memory if cuda
                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -163,8 +168,9 @@ def exp_ddp_equals_handrolled(base, batches, world, device, log):
         ddp_step(ddp, opt_d, x, y)
     err = max_diff(hand.parameters(), model.parameters())
     log(f"[1] DDP vs hand-rolled after {len(batches)} AdamW steps (fp32): max |param diff| {err:.2e} "
-        f"(measured; tolerance {PARAM_TOL:.0e}; one step moves a parameter ~{LR:.0e})")
-    return dict(steps=len(batches), max_abs_param_diff=err), err < PARAM_TOL
+        f"(measured; tolerance {PARAM_TOL:.0e}; one step moves a parameter ~{LR:.0e})"
+        + (" (trivial with one rank)" if world == 1 else ""))  # one rank: the all-reduce is a no-op
+    return dict(steps=len(batches), max_abs_param_diff=err, trivial_at_one_rank=world == 1), err < PARAM_TOL
 
 
 def time_steps(step_fns, steps, warmup, device):
@@ -285,12 +291,15 @@ def exp_fsdp(base, batches, world, device, log):
         ddp_step(sharded, opt_s, x, y)  # the same step: the collectives live in the module
     err = max_diff(ddp.module.parameters(), (p.full_tensor() for p in sharded.parameters()))
     full, shard = state_bytes_per_rank(ddp.module, opt_d), state_bytes_per_rank(sharded, opt_s)
-    log(f"[5] FSDP2 vs DDP after {len(batches)} steps (fp32): max |param diff| {err:.2e} (measured)")
+    trivial = " (trivial with one rank)" if world == 1 else ""  # one rank: nothing sharded, 1/N = 1
+    log(f"[5] FSDP2 vs DDP after {len(batches)} steps (fp32): max |param diff| {err:.2e} (measured){trivial}")
     for name in ("params", "grads", "optimizer", "total"):
         log(f"    {name:9s} bytes per rank: replicated {full[name] / 2**20:8.2f} MiB, sharded "
-            f"{shard[name] / 2**20:8.2f} MiB ({shard[name] / full[name]:.3f}; 1/N = {1 / world:.3f}, measured)")
+            f"{shard[name] / 2**20:8.2f} MiB ({shard[name] / full[name]:.3f}; 1/N = {1 / world:.3f}, "
+            f"measured){trivial}")
     ratio = shard["total"] / full["total"]
-    res = dict(max_abs_param_diff=err, replicated_bytes=full, sharded_bytes=shard, sharded_over_replicated=ratio)
+    res = dict(max_abs_param_diff=err, replicated_bytes=full, sharded_bytes=shard, sharded_over_replicated=ratio,
+               trivial_at_one_rank=world == 1)
     return res, err < PARAM_TOL, abs(ratio * world - 1) < 0.05
 
 
@@ -424,8 +433,8 @@ def run_jax(args):
     mem = ((devices[0].memory_stats() or {}).get("bytes_limit", 0) if gpu
            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     print(f"device: {n} x {devices[0].device_kind} ({'GPUs' if gpu else 'simulated CPU devices'}), "
-          f"{mem / 2**30:.0f} GiB {'each' if gpu else 'host'} | jax {jax.__version__}, flax {flax.__version__} "
-          f"| one process drives all {n}")
+          f"{mem / 2**30:.0f} GiB {'each: JAX memory-pool limit (bytes_limit), not the card' if gpu else 'host'} "
+          f"| jax {jax.__version__}, flax {flax.__version__} | one process drives all {n}")
     cfg, B, T = sizes(args.quick, gpu)
     B = 4 if gpu else B  # per device; the one-device reference runs all n * B rows on one GPU
     model = JaxGPT(cfg, rngs=nnx.Rngs(0))  # fp32 on both sides of the check
@@ -433,7 +442,8 @@ def run_jax(args):
     step = make_train_step(graphdef)  # ONE jitted function: where its inputs live decides the program
     rng = np.random.default_rng(1)
     data = [rng.integers(0, cfg.vocab_size, (n * B, T + 1), dtype=np.int32) for _ in range(2)]
-    print(f"model: n_layer={cfg.n_layer} d={cfg.n_embd} vocab={cfg.vocab_size}, batch {B} x {T} per device, fp32")
+    print(f"model: n_layer={cfg.n_layer} d={cfg.n_embd} vocab={cfg.vocab_size}, batch {B} x {T} per device, "
+          f"{'fp32 params; matmuls at JAX default precision: TF32 on a GPU' if gpu else 'fp32'}")
 
     mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))  # Auto: XLA propagates shardings
     one = jax.sharding.SingleDeviceSharding(devices[0])
@@ -473,13 +483,16 @@ def run_jax(args):
         err = max(abs(a - b) / abs(b) for a, b in zip(result[name]["losses"], result["single_device"]["losses"]))
         result[name]["max_rel_loss_diff"] = err
         result["checks"][f"{name}_loss_equals_single_device"] = err < 1e-4  # False for nan
-        print(f"{name}: loss against one device, max relative diff {err:.1e} over 2 steps (measured)")
+        print(f"{name}: loss against one device, max relative diff {err:.1e} over 2 steps (measured)"
+              + (" (trivial with one device)" if n == 1 else ""))
     if n > 1:  # one device has nothing to all-reduce: XLA emits no collective
         result["checks"]["allreduce_in_compiled_text"] = result["data_parallel"].get("collectives", {}).get("all-reduce", 0) > 0
     sharded, full = (result[k].get("state_bytes_per_device", float("nan")) for k in ("sharded_params", "data_parallel"))
     result["sharded_over_replicated"] = ratio = sharded / full
     result["checks"]["sharded_bytes_about_1_over_n"] = abs(ratio * n - 1) < 0.05
+    result["trivial_at_one_device"] = n == 1  # one device: these checks hold by construction
     print(f"params + AdamW state per device, sharded / replicated = {ratio:.3f} (1/N = {1 / n:.3f}, measured)"
+          + (" (trivial with one device)" if n == 1 else "")
           + ("" if gpu else "; simulated devices share the CPU's cores: no speedup to expect"))
     return finish(result, args)
 
