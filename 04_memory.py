@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from model_torch import GPT, GPTConfig, activation_bytes, flops_per_token, state_bytes
+from model_torch import GPT, GPTConfig, activation_bytes, block_activation_bytes, flops_per_token, state_bytes
 
 MiB, GiB = 2**20, 2**30
 
@@ -245,13 +245,13 @@ def mixed_precision(cfg, B, T, dev, reps, checks):
         rows[name]["activations_predicted"] = activation_bytes(cfg, B, T, bf16=bf16)
     bf = rows["bf16 autocast"]
     speedup = rows["fp32"]["median_ms"] / bf["median_ms"]
-    copies = 2 * (cfg.vocab_size * cfg.n_embd + 12 * cfg.n_layer * cfg.n_embd**2)  # 2 B x (V d + 12 L d^2)
+    copies = activation_bytes(cfg, 0, bf16=True)  # batch 0 leaves only the per-step weight copies
     print(f"\n[2] mixed precision, B={B} x T={T}: fp32 vs bf16 autocast; activations and step time measured")
     print_rows(rows, dev.type == "cuda")
     print("  under autocast: " + "; ".join(f"{k} {', '.join(v)}" for k, v in bf["dtypes"].items()))
     print("  saved for backward under autocast: " + ", ".join(f"{k} {mib(v)} MiB" for k, v in bf["saved_by_dtype"].items())
           + f"; of the bf16, {mib(copies)} MiB are weight copies, once per step whatever the batch (predicted)")
-    print(f"  per block per token in bf16: ours {36 * cfg.n_embd + 16 + 4 * cfg.n_head:,} B (no dropout, fp32 residual); "
+    print(f"  per block per token in bf16: ours {block_activation_bytes(cfg, T, bf16=True):,} B (predicted; no dropout, fp32 residual); "
           f"Korthikanti et al. 2022: 34 d = {34 * cfg.n_embd:,} B (reference formula, with dropout, flash attention)")
     print(f"  loss fp32 {loss32:.5f}, bf16 {loss16:.5f} (same weights and batch); bf16 step speed {speedup:.2f}x fp32 (derived)"
           + ("" if dev.type == "cuda" else " - this CPU emulates bf16 matmuls; on a CPU, memory is the point"))

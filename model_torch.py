@@ -192,6 +192,19 @@ def state_bytes(config, param_bytes=4):
     return dict(params=param_bytes * n, grads=param_bytes * n, optimizer=2 * 4 * n)
 
 
+def block_activation_bytes(config, seq_len=None, bf16=False):
+    """Bytes one block keeps per token for backward (see activation_bytes for the list)."""
+    c = config
+    T = c.block_size if seq_len is None else seq_len
+    d, H, act = c.n_embd, c.n_head, 2 if bf16 else 4
+    if c.checkpoint:
+        return 4 * d  # only the block's fp32 input
+    per_block = (2 * 4 * d + 14 * act * d) + 2 * 2 * 4  # 16 d values + LayerNorm stats
+    if c.attn == "sdpa":
+        return per_block + 4 * H                       # log-sum-exp
+    return per_block + 4 * H * T + (2 * H * T if bf16 else 0)  # softmax out (+ bf16 copy)
+
+
 def activation_bytes(config, batch_size, seq_len=None, bf16=False):
     """Predicted bytes that autograd keeps alive between forward and backward (saved
     tensors, parameters excluded), for this file's implementation. Per token, counted
@@ -215,16 +228,9 @@ def activation_bytes(config, batch_size, seq_len=None, bf16=False):
     """
     c = config
     T = c.block_size if seq_len is None else seq_len
-    d, H, L, V = c.n_embd, c.n_head, c.n_layer, c.vocab_size
+    d, L, V = c.n_embd, c.n_layer, c.vocab_size
     act = 2 if bf16 else 4  # bytes of a matmul-side activation
-    if c.checkpoint:
-        per_block = 4 * d
-    else:
-        per_block = (2 * 4 * d + 14 * act * d) + 2 * 2 * 4  # 16 d values + LayerNorm stats
-        if c.attn == "sdpa":
-            per_block += 4 * H                          # log-sum-exp
-        else:
-            per_block += 4 * H * T + (2 * H * T if bf16 else 0)  # softmax out (+ bf16 copy)
+    per_block = block_activation_bytes(c, T, bf16)
     head = 8 + (4 * d + 2 * 4) + act * d + 4 * V + 8    # ids, ln_f, lm_head in, log-softmax, targets
     weight_copies = 2 * (V * d + (0 if c.checkpoint else 12 * L * d * d)) if bf16 else 0
     return batch_size * T * (L * per_block + head) + weight_copies
