@@ -73,10 +73,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def measure(fn, device, reps, target_s, warmup_s=0.0):
+def measure(fn, device, reps, target_s, warmup_s=0.0, gap_s=0.0):
     """Seconds per call of fn(): the cold first call, then `reps` warm samples. A sample
     averages `inner` back-to-back calls so that microsecond ops outlast the clock; on a GPU,
-    CUDA events bracket the calls and we wait for the end event before reading it."""
+    CUDA events bracket the calls and we wait for the end event before reading it.
+    gap_s > 0: the device idles that long before each sample (then one untimed call wakes
+    its clocks), so every sample is a burst, not part of a power-limited marathon."""
     sync(device)
     t0 = time.perf_counter(); fn(); sync(device); first = time.perf_counter() - t0
     t0 = time.perf_counter(); fn(); sync(device); one = time.perf_counter() - t0
@@ -86,6 +88,8 @@ def measure(fn, device, reps, target_s, warmup_s=0.0):
         fn(); sync(device)
     samples = []
     for _ in range(reps):
+        if gap_s:
+            time.sleep(gap_s); fn(); sync(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -120,19 +124,25 @@ def measure_ceilings(z, device, ref_flops, ref_bw):
     # PREDICTION: a big square matmul does ~n/3 FLOPs per byte, far right of any ridge, so it
     # runs at the compute roof; a copy does no arithmetic, so it runs at the memory roof.
     # On an H200: ~80% of the 989 TFLOP/s datasheet bf16 peak and ~90% of its 4.8 TB/s.
-    # A short warm-up, then short samples: the roof is what the chip does in bursts, as the
-    # ops below run. Sustained for seconds, an H200 reaches its 700 W power limit and lowers
-    # its clocks by ~15% (02_hardware.py's energy section measures it).
+    # The roof is what the chip does in bursts of a few ms, as the ops below run: on a GPU each
+    # matmul sample follows an idle gap. Sustained for a second, an H200 reaches its 700 W
+    # power limit and lowers its clocks (PREDICTION: ~10-15% slower; measured below, and
+    # 02_hardware.py's energy section measures the watts).
     # The roof is the best the chip does on a large matmul, so try three shapes and keep the
     # fastest (as Bekman's mamf-finder searches shapes): one shape can tile the chip unevenly.
     n, dt = z["peak_n"], str(z["dtype"]).replace("torch.", "")
     tried = {}
     for M, K, N in [(n, n, n), (n // 2, n // 2, n // 2), (n, n // 2, 2 * n)]:
         t = measure(rotating(torch.matmul, [(M, K), (K, N)], z, device), device, z["reps"],
-                    z["target_s"], z["warmup_s"])
+                    z["target_s"], z["warmup_s"], z["burst_gap_s"])
         tried[f"{M}x{K}x{N}"] = dict(flops=2 * M * K * N, **t)
     shape, mm = max(tried.items(), key=lambda kv: kv[1]["flops"] / kv[1]["median_s"])
     flops = mm["flops"]
+    sustained = None
+    if z["burst_gap_s"]:  # the same matmul back to back, after a full second of it
+        M, K, N = map(int, shape.split("x"))
+        sustained = measure(rotating(torch.matmul, [(M, K), (K, N)], z, device), device, z["reps"],
+                            z["target_s"], warmup_s=1.0)
     src = torch.randn(z["copy_n"], device=device, dtype=z["dtype"])
     dst = torch.empty_like(src)
     cp = measure(lambda: dst.copy_(src), device, z["reps"], z["target_s"], z["warmup_s"])
@@ -142,6 +152,10 @@ def measure_ceilings(z, device, ref_flops, ref_bw):
     print(f"  compute roof {si(peak, 'FLOP/s'):>14}   {dt} matmul {shape}, the fastest of "
           + ", ".join(f"{k} {si(v['flops'] / v['median_s'], 'FLOP/s')}" for k, v in tried.items())
           + f"   ({si(flops / mm['max_s'])}-{si(flops / mm['min_s'])})")
+    if sustained:
+        print(f"  (sustained)  {si(flops / sustained['median_s'], 'FLOP/s'):>14}   the same matmul back to back after"
+              f" 1 s of it: {sustained['median_s'] / mm['median_s'] - 1:.0%} slower per call - the power limit"
+              f" (each roof sample above followed {z['burst_gap_s'] * 1e3:.0f} ms idle)")
     print(f"  memory roof  {si(bw, 'B/s'):>14}   copy of {si(moved / 2, 'B')}, bytes read + written"
           f"   ({si(moved / cp['max_s'])}-{si(moved / cp['min_s'])})")
     print(f"  ridge point  {peak / bw:>8.1f} FLOP/B   (derived: compute roof / memory roof). An op doing"
@@ -152,6 +166,8 @@ def measure_ceilings(z, device, ref_flops, ref_bw):
     return dict(peak_flops=peak, bandwidth_bytes_per_s=bw, ridge_flop_per_byte=peak / bw,
                 copy_is_exact=torch.equal(dst, src), matmul=dict(shape=shape, dtype=dt, **mm),
                 matmul_shapes_tried={k: v["flops"] / v["median_s"] for k, v in tried.items()},
+                matmul_burst_gap_s=z["burst_gap_s"],
+                matmul_sustained=sustained and dict(flops_per_s=flops / sustained["median_s"], **sustained),
                 copy=dict(bytes_moved=moved, **cp),
                 reference=dict(datasheet_bf16_flops=ref_flops, datasheet_bandwidth=ref_bw))
 
@@ -222,13 +238,14 @@ def place_ops(z, device, peak, bw):
             torch.cuda.empty_cache()
     over = [op for op in ops.values() if op["fraction_of_bound"] > 1]
     if any(op["intensity"] * bw >= peak for op in over):
-        print("  above 100% of the compute roof (derived): that roof is the median of back-to-back"
-              " matmuls on a power-limited chip, a sustained rate; a short op can run above it")
+        print("  above 100% of the compute roof (derived): the roof is a median over samples of three"
+              " shapes; another shape, or its own sample spread, can land a few % above it")
     if any(op["intensity"] * bw < peak for op in over):
         print("  above 100% of the memory roof (derived): the copy roof counts 2 bytes per element"
               + (" moved,\n    but a CPU's write-allocate reads the destination first, so a copy moves 3"
                  " (an add 4 for 3 counted): adds and scales can beat the copy" if device.type == "cpu"
-                 else " moved and is a median of sustained copies; a short op can run a little above it"))
+                 else " moved, half of them writes;\n    ops that mostly read (a sum, a matmul streaming its"
+                      " weights) run a few % faster than a copy"))
     return ops
 
 
@@ -421,7 +438,7 @@ def sizes(device, quick):
                     softmax_shape=(2**18, 1024), norm_shape=(2**16, 4096),
                     tiny=64, medium=4096, large=(8192, 4096, 16384), decode=(16, 16384), bmm=2**16,
                     sweep=range(6, 29, 2), jax_n=8192, reps=5 if quick else 20, target_s=2e-3,
-                    warmup_s=0.05)
+                    warmup_s=0.05, burst_gap_s=0.1)
     if quick:
         z = dict(peak_n=768, copy_n=2**23, n=2**22, softmax_shape=(2**12, 1024),
                  norm_shape=(2**12, 1024), medium=192, large=(256, 512, 2048),
@@ -430,7 +447,7 @@ def sizes(device, quick):
         z = dict(peak_n=2048, copy_n=2**26, n=2**24, softmax_shape=(2**14, 1024),
                  norm_shape=(2**14, 1024), medium=384, large=(1024, 1024, 4096),
                  decode=(1, 4096), bmm=2**12, sweep=range(6, 25, 2), jax_n=1024, reps=7, target_s=2e-2)
-    return dict(dtype=torch.float32, tiny=16, warmup_s=0.0, **z)
+    return dict(dtype=torch.float32, tiny=16, warmup_s=0.0, burst_gap_s=0.0, **z)
 
 
 def keep_freed_memory():

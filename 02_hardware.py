@@ -55,13 +55,17 @@ FORMATS = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
            "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def bench(fn, reps, dev, warmup=2, wall=False):
+def bench(fn, reps, dev, warmup=2, wall=False, gap=0.0):
     """Median, min, max seconds of fn() after warmup. GPU: CUDA events (or the wall clock
-    between synchronizes when host-side work counts, wall=True); CPU: perf_counter."""
+    between synchronizes when host-side work counts, wall=True); CPU: perf_counter.
+    gap > 0: idle that long before each sample, then one untimed call: every sample a burst."""
     for _ in range(warmup):
         fn()
     cuda, times = dev.type == "cuda", []
     for _ in range(reps):
+        if gap:
+            if cuda: torch.cuda.synchronize(dev)
+            time.sleep(gap); fn()
         if cuda and not wall:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(); fn(); end.record(); end.synchronize()
@@ -170,7 +174,10 @@ def format_ladder(dev, quick):
                 ac, bc = a.to(dtype), b.to(dtype)
                 fn = lambda: ac @ bc
             error = ((fn().double() - ref).norm() / ref.norm()).item()
-            med, lo, hi = bench(fn, 10 if cuda else 2 if quick else 3, dev, warmup=2 if cuda else 1)
+            # each sample after 0.1 s idle: the rate the tensor cores give in bursts, as a training
+            # step's matmuls see it; back to back for seconds the power limit slows them (section 4)
+            med, lo, hi = bench(fn, 10 if cuda else 2 if quick else 3, dev, warmup=2 if cuda else 1,
+                                gap=0.1 if cuda else 0.0)
         except Exception as e:  # an unsupported format on this build: say so, keep going
             skipped[name] = f"failed here: {type(e).__name__}: {str(e)[:150]}"
             continue
@@ -277,7 +284,7 @@ def sustained(fn, work_per_call, seconds, dev, settle=1.5):
     return (statistics.mean(watts) if watts else float("nan")), rate
 
 
-def energy(dev, quick):
+def energy(dev, quick, burst_bf16_tflops=None):
     # PREDICTION: moving a byte from DRAM costs ~100x more than a FLOP (Horowitz: DRAM ~160-325
     # pJ/byte vs fp16 FMA ~0.75 pJ/FLOP at 45 nm). On a 4-nm H200 both shrink, the gap stays.
     print("  reference (Horowitz ISSCC 2014, 45 nm): " + "; ".join(f"{k} {v:g} pJ" for k, v in HOROWITZ_PJ.items()))
@@ -309,6 +316,11 @@ def energy(dev, quick):
     print(f"  derived: {result['pj_per_flop']:.2f} pJ/FLOP ({result['pj_per_flop_above_idle']:.2f} above idle); "
           f"{result['pj_per_byte']:.1f} pJ/byte ({result['pj_per_byte_above_idle']:.1f} above idle); "
           f"a byte costs {result['pj_per_byte_above_idle'] / result['pj_per_flop_above_idle']:.0f} FLOPs of energy")
+    if burst_bf16_tflops:  # the same matmul as the ladder's bf16 row, which ran in bursts
+        result["matmul_sustained_over_burst"] = flops / 1e12 / burst_bf16_tflops
+        print(f"  sustained for {seconds:g} s the bf16 matmul runs at {result['matmul_sustained_over_burst']:.0%} of its"
+              f" burst rate in section 2 ({burst_bf16_tflops:.0f} TFLOP/s): held at the board's power limit,"
+              f" the clocks come down")
     return result
 
 
@@ -477,8 +489,8 @@ def main():
     hierarchy = section("hierarchy", "1. memory hierarchy: read bandwidth vs working-set size", memory_hierarchy, dev, args.quick)
     ladder = section("ladder", "2. tensor cores and the format ladder", format_ladder, dev, args.quick)
     links = section("interconnect", "3. interconnects", interconnect, dev, args.quick)
-    section("energy", "4. energy per FLOP and per byte", energy, dev, args.quick)
     fmts = ladder.get("formats", {})
+    section("energy", "4. energy per FLOP and per byte", energy, dev, args.quick, fmts.get("bf16", {}).get("tflops"))
     peak = fmts.get("bf16" if dev.type == "cuda" else "fp32", {}).get("tflops", float("nan")) * 1e12
     bandwidth = hierarchy.get("main_memory_gb_per_s", float("nan")) * 1e9
     prefill = section("prefill_decode", "5. prefill vs decode: one GPT-2 linear layer", prefill_vs_decode, dev, args.quick, peak, bandwidth)

@@ -20,7 +20,7 @@ out/05_ddp_scratch_allreduce.png (time vs size with the fit). On CPU the GPT is 
 preset (gloo, about a minute); on GPUs it is GPT-2 124M (fp32) and the sweep goes to 1 GiB.
 """
 
-import argparse, json, os, platform, sys, time
+import argparse, json, os, platform, statistics, sys, time
 from datetime import timedelta
 
 import numpy as np
@@ -40,18 +40,22 @@ def sync(dev):  # CUDA is asynchronous: wait for the GPU before reading a clock
     torch.cuda.synchronize(dev) if dev.type == "cuda" else None
 
 
-def time_op(fn, dev, reps, warmup=1):
-    """Median, min, max seconds of fn over reps; each rep is the slowest rank's time."""
+def time_op(fn, dev, reps, warmup=1, inner=1):
+    """`reps` samples of seconds per call of fn; each sample is the slowest rank's time for
+    `inner` back-to-back calls (as nccl-tests times its iterations), divided by inner."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         dist.barrier(); sync(dev)
-        t0 = time.perf_counter(); fn(); sync(dev)
-        times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync(dev)
+        times.append((time.perf_counter() - t0) / inner)
     t = torch.tensor(times, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective is done when its slowest rank is
-    return float(t.median()), float(t.min()), float(t.max())
+    return t.tolist()
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,27 +226,38 @@ def fit_alpha_beta(S, T, N, per_rank_factor):
                 rel_err=(np.abs(pred - T) / T).tolist(), max_rel_err=float(np.max(np.abs(pred - T) / T)))
 
 
-def communication_sweep(sizes, dev, reps):
+def communication_sweep(sizes, dev, reps, passes):
     N = dist.get_world_size()
     library = lambda t: dist.all_reduce(t)
     algos = {"naive": naive_all_reduce, "ring": ring_all_reduce, "library": library}
     res = {k: dict(median_s=[], min_s=[], max_s=[], algbw_GBps=[], busbw_GBps=[], bytes_sent_max_rank=[])
            for k in algos}
+    xs, samples = {}, {}
     for S in sizes:
         for name, fn in algos.items():
-            x = torch.randn(S // 4, device=dev)  # fresh per algorithm: repeated sums grow by N each call
+            x = xs[S, name] = torch.randn(S // 4, device=dev)  # one per algorithm: repeated sums grow by N each call
             SENT[0] = 0; fn(x)
             sent = torch.tensor([SENT[0]], dtype=torch.float64, device=dev)
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-            med, lo, hi = time_op(lambda: fn(x), dev, reps(S))
-            r = res[name]
-            r["median_s"].append(med); r["min_s"].append(lo); r["max_s"].append(hi)
+            res[name]["bytes_sent_max_rank"].append(sent.item() if name != "library" else None)
+    # Small messages take ~ms, and one late-scheduled rank stalls a whole call: average several
+    # calls per sample; and sweep the sizes in several passes, so that a slow drift of the machine
+    # spreads over every size instead of biasing one of them.
+    for _ in range(passes):
+        for S in sizes:
+            for name, fn in algos.items():
+                samples.setdefault((S, name), []).extend(time_op(lambda: fn(xs[S, name]), dev, *reps(S)))
+    for S in sizes:
+        for name in algos:
+            t, r = samples[S, name], res[name]
+            med = statistics.median(t)
+            r["median_s"].append(med); r["min_s"].append(min(t)); r["max_s"].append(max(t))
             r["algbw_GBps"].append(S / med / 1e9)                  # nccl-tests: algbw = S / t
             r["busbw_GBps"].append(S / med / 1e9 * 2 * (N - 1) / N)  # busbw = algbw 2(N-1)/N
-            r["bytes_sent_max_rank"].append(sent.item() if name != "library" else None)
         say(f"  {S / 2**20:9.3f} MiB  " + "  ".join(
             f"{k} {res[k]['median_s'][-1] * 1e3:8.3f} ms ({res[k]['busbw_GBps'][-1]:6.2f} GB/s bus)"
             for k in algos))
+    del xs
     S, ring_formula = np.array(sizes, float), [2 * (N - 1) / N * s for s in sizes]
     res["sizes_bytes"], res["ring_bytes_formula"] = list(sizes), ring_formula
     res["fit"] = {k: fit_alpha_beta(S, np.array(res[k]["median_s"]), N, 2 * (N - 1) if k == "naive"
@@ -304,8 +319,8 @@ def gradient_bill(model, ddp, sweep, dev, reps, bucket_mb=25):
         say(f"  {len(grads)} tensors in {len(buckets)} buckets of <= {bucket_mb} MiB (same sums: err {err:.1e}, "
             f"measured); timing skipped: with one rank the all-reduces are no-ops (run under torchrun)")
         return out
-    out["per_param_s"] = time_op(lambda: per_param(a), dev, reps)[0]
-    out["bucketed_s"] = time_op(lambda: bucketed(b), dev, reps)[0]
+    out["per_param_s"] = statistics.median(time_op(lambda: per_param(a), dev, reps))
+    out["bucketed_s"] = statistics.median(time_op(lambda: bucketed(b), dev, reps))
     say(f"  measured: {len(grads)} all-reduces (one per tensor) {out['per_param_s'] * 1e3:.2f} ms vs "
         f"{len(buckets)} buckets of <= {bucket_mb} MiB {out['bucketed_s'] * 1e3:.2f} ms (same sums: err {err:.1e})")
     return out
@@ -411,7 +426,8 @@ def main():
         micro, T, steps = (2, 32, 2) if q else (2, 128, 3)
         max_mb = args.max_mb or (1 if q else 64)
     sizes = [s for s in (2**12 * (16 if q else 4)**i for i in range(12)) if s <= max_mb * 2**20]
-    reps = (lambda S: 3) if q else (lambda S: 20 if S <= 2**20 else 5)
+    passes = 1 if q else 3  # sweeps over all sizes; per pass and size: (samples, calls each)
+    reps = (lambda S: (3, 1)) if q else (lambda S: (12, 10) if S <= 2**20 else (2, 1))
     result = dict(lesson="05_ddp_scratch", quick=q, world_size=N, backend=backend,
                   device=dict(name=name, memory_bytes=mem, type=dev.type, torch=torch.__version__),
                   model=dict(n_layer=cfg.n_layer, n_embd=cfg.n_embd, vocab_size=cfg.vocab_size))
@@ -455,7 +471,7 @@ def main():
     sweep = None
     if N > 1:
         sweep = run(f"3. the communication bill: time vs message size on {N} ranks ({backend})", "bill",
-                    lambda: communication_sweep(sizes, dev, reps))
+                    lambda: communication_sweep(sizes, dev, reps, passes))
     else:
         say("\n== 3. the communication bill: one rank sends nothing (2(N-1)/N S = 0); "
             "run under torchrun --nproc_per_node=N to measure it")
