@@ -154,7 +154,7 @@ def measure_ceilings(z, device, ref_flops, ref_bw):
           + f"   ({si(flops / mm['max_s'])}-{si(flops / mm['min_s'])})")
     if sustained:
         print(f"  (sustained)  {si(flops / sustained['median_s'], 'FLOP/s'):>14}   the same matmul back to back after"
-              f" 1 s of it: {sustained['median_s'] / mm['median_s'] - 1:.0%} slower per call - the power limit"
+              f" 1 s of it: {sustained['median_s'] / mm['median_s'] - 1:.0%} slower per call (derived) - the power limit"
               f" (each roof sample above followed {z['burst_gap_s'] * 1e3:.0f} ms idle)")
     print(f"  memory roof  {si(bw, 'B/s'):>14}   copy of {si(moved / 2, 'B')}, bytes read + written"
           f"   ({si(moved / cp['max_s'])}-{si(moved / cp['min_s'])})")

@@ -318,7 +318,7 @@ def energy(dev, quick, burst_bf16_tflops=None):
           f"a byte costs {result['pj_per_byte_above_idle'] / result['pj_per_flop_above_idle']:.0f} FLOPs of energy")
     if burst_bf16_tflops:  # the same matmul as the ladder's bf16 row, which ran in bursts
         result["matmul_sustained_over_burst"] = flops / 1e12 / burst_bf16_tflops
-        print(f"  sustained for {seconds:g} s the bf16 matmul runs at {result['matmul_sustained_over_burst']:.0%} of its"
+        print(f"  derived: sustained for {seconds:g} s the bf16 matmul runs at {result['matmul_sustained_over_burst']:.0%} of its"
               f" burst rate in section 2 ({burst_bf16_tflops:.0f} TFLOP/s): held at the board's power limit,"
               f" the clocks come down")
     return result
