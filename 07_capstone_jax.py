@@ -4,9 +4,9 @@ weights as 07_capstone_torch.py, taken down JAX's version of the method, one mea
 technique, each kept for the rungs after it: un-jitted op-by-op baseline (full fp32 matmuls) ->
 jax.jit of the whole step -> TF32 -> bf16 compute dtype -> buffer donation + fused attention ->
 vocab 50304 + the whole batch in one micro-step -> no host sync per step (the loss read every
-few steps) -> activation checkpointing (nnx.remat; a detour:
-it costs time when memory does not bind, so the next rung drops it again) -> data-parallel
-sharding over every visible device. 65,536 tokens per step on a GPU (gradient accumulation over
+few steps) -> cuBLAS for every matmul (XLA's own Triton GEMMs off) -> activation checkpointing
+(nnx.remat; a detour: it costs time when memory does not bind, so the next rung drops it again)
+-> data-parallel sharding over every visible device. 65,536 tokens per step on a GPU (gradient accumulation over
 equal micro-batches where the micro-batch is smaller), so each rung's loss at a common step must
 track the baseline's: the waterfall changes the speed, not the math.
 
@@ -95,7 +95,7 @@ WINDOW = 5  # steps between host syncs once the rung "no host sync per step" is 
 
 RUNGS = [
     dict(name="un-jitted (op-by-op)", jit=False, precision="highest", bf16=False, attn="manual",
-         donate=False, vocab=50257, accum=4, host_sync=True, checkpoint=False, shard=False,
+         donate=False, vocab=50257, accum=4, host_sync=True, triton_gemm=True, checkpoint=False, shard=False,
          why="baseline: every jnp op dispatched from Python one at a time (no jax.jit), full fp32 "
              "matmuls (default_matmul_precision 'highest': no TF32), the T x T attention materialised: "
              "overhead- and fp32-compute-bound; expect < 5% MFU on a GPU"),
@@ -123,6 +123,11 @@ RUNGS = [
              "to drain, then the device idle while the next step is dispatched; wait every "
              f"{WINDOW} steps and dispatch runs ahead. Here a step is ~100 ms of device work and the "
              "gap well under 1 ms: expect < 1%; it pays where steps take a few ms"),
+    dict(name="+ cuBLAS for every matmul", triton_gemm=False,
+         why="the compiler's kernel choice: XLA emits some matmuls (those it fuses with a neighbouring "
+             "cast or add) as Triton GEMMs of its own; at these shapes cuBLAS's Hopper kernels run "
+             "them faster. The compile option xla_gpu_enable_triton_gemm=False sends every dot to "
+             "cuBLAS: expect a few % on a GPU, nothing on a CPU (no Triton there)"),
     dict(name="+ activation checkpointing (remat)", checkpoint=True,
          why="a memory fix applied where memory does NOT bind: nnx.remat recomputes each block's forward "
              "in backward, ~1/3 more block FLOPs: expect ~20-30% SLOWER, far fewer saved activations"),
@@ -235,7 +240,8 @@ def train_rung(rung, args, preset, init_state, batches, attn_impl):
             t0 = time.perf_counter()
             jitted = make_train_step(graphdef, donate=rung["donate"]) if accum == 1 else \
                 jax.jit(accumulating_step(graphdef, accum), donate_argnums=(0,) if rung["donate"] else ())
-            step = jitted.lower(state, *data[0]).compile()  # compile once, ahead of the clock
+            options = None if rung["triton_gemm"] else {"xla_gpu_enable_triton_gemm": False}
+            step = jitted.lower(state, *data[0]).compile(options)  # compile once, ahead of the clock
             compile_s = time.perf_counter() - t0
             mem = step.memory_analysis()  # XLA's plan for one device: inputs + outputs + scratch
             if mem is not None:

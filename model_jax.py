@@ -115,11 +115,18 @@ class GPT(nnx.Module):
         x = self.ln_f(x)
         wte = self.wte.embedding[...]
         logits = x.astype(self.dtype) @ wte.astype(self.dtype).T  # tied lm_head
-        loss = None
-        if targets is not None:  # cross-entropy on fp32 logits (bf16 would lose precision)
-            loss = optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), targets).mean()
+        loss = None if targets is None else cross_entropy(logits, targets)
         return logits, loss
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy on fp32 logits (bf16 would lose precision). The target's logit is
+    picked with a one-hot mask, which XLA fuses into the reductions and the softmax's gradient.
+    With a gather (optax's integer-label loss) XLA spent 3 ms more per step in kernels over the
+    B x T x V logits: 133 vs 130 ms per capstone step on an H200 (results/h200/probes)."""
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
 
 
 def adamw(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95)):

@@ -137,6 +137,10 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:  # loss on fp32 logits, also under autocast
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            # the gradient flows through the loss; returned logits that still required grad would
+            # make a compiled backward zero-fill and add a B x T x V gradient for them (6.6 GB at
+            # B=64, T=1024): 130-132 vs 124 ms per capstone step on an H200 (results/h200/probes)
+            logits = logits.detach()
         return logits, loss
 
     def configure_optimizer(self, lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95), fused=False):

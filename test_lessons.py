@@ -152,8 +152,33 @@ def test_torch_adamw_lowers_the_loss():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+def test_logits_come_back_detached_when_the_loss_is_computed():
+    # with targets, the loss carries the gradient: the returned logits must not require grad (a
+    # compiled backward would zero-fill a B x T x V gradient for them), yet equal the plain ones
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=1))
+    idx = torch.randint(0, 1000, (2, 32))
+    logits, loss = model(idx, idx)
+    plain, none = model(idx)
+    assert loss.requires_grad and not logits.requires_grad and plain.requires_grad and none is None
+    assert torch.equal(logits, plain)
+
+
 # ---------------------------------------------------------------------------------------
 # model_jax.py: the same function as model_torch.py
+
+def test_jax_cross_entropy_equals_optax_integer_labels(jax_highest):
+    # the one-hot-mask loss is optax's gather-based loss, value and gradient, on bf16 logits
+    import jax, jax.numpy as jnp, optax
+    from model_jax import cross_entropy
+    logits = 4 * jax.random.normal(jax.random.key(0), (2, 16, 300), jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(1), (2, 16), 0, 300)
+    reference = lambda l: optax.softmax_cross_entropy_with_integer_labels(l.astype(jnp.float32), targets).mean()
+    ours, ours_grad = jax.value_and_grad(cross_entropy)(logits, targets)
+    ref, ref_grad = jax.value_and_grad(reference)(logits)
+    assert abs(float(ours) - float(ref)) < 1e-5 * float(ref) and ours_grad.dtype == jnp.bfloat16
+    assert float(jnp.abs(ours_grad.astype(jnp.float32) - ref_grad.astype(jnp.float32)).max()) < 1e-6
+
 
 @pytest.fixture(scope="module")
 def jax_highest():
@@ -534,7 +559,7 @@ def test_capstone_jax_waterfall(tmp_path):
     out = run_lesson("07_capstone_jax.py", devices=4, timeout=400, tmp_path=tmp_path)
     assert out["lesson"] == "07_capstone_jax" and out["quick"] and out["device"]["count"] == 4
     rungs = {r["name"]: r for r in out["rungs"]}
-    assert len(rungs) == 9
+    assert len(rungs) == 10
     for r in out["rungs"]:  # every rung ran and reported (no skip, no failure)
         assert "failed" not in r and "skipped" not in r, r
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["mfu_measured_peak"] > 0
@@ -544,6 +569,9 @@ def test_capstone_jax_waterfall(tmp_path):
     vocab, nosync = rungs["+ vocab 50304, 1 micro-step"], rungs["+ no host sync per step"]
     assert not nosync["settings"]["host_sync"]  # waiting less often must not change the numbers
     assert np.allclose(nosync["losses"], vocab["losses"], rtol=1e-6, atol=0)
+    cublas = rungs["+ cuBLAS for every matmul"]  # a kernel choice: same math (on a CPU, the same kernels)
+    assert cublas["settings"]["triton_gemm"] is False and out["rungs"][-1]["settings"]["triton_gemm"] is False
+    assert np.allclose(cublas["losses"], nosync["losses"], rtol=1e-6, atol=0)
     assert base["settings"]["jit"] is False and base["compile_s"] == 0 and jit["compile_s"] > 0
     assert base["settings"]["precision"] == "highest" and base["settings"]["vocab"] == 50257
     # the sharded rung used all 4 devices, each with its slice of the same global batch
