@@ -487,7 +487,7 @@ def main():
             + " (target on 4 gloo CPU ranks: >= 70% from 16 MiB up)")
         if ratio < 0.7:
             fit = sweep["fit"]
-            say(f"  why lower at the small end: the ring's fixed cost, 2(N-1) alpha = {2 * (N - 1) * fit['ring']['alpha_s'] * 1e6:.0f} us"
+            say(f"  derived, why lower at the small end: the ring's fixed cost, 2(N-1) alpha = {2 * (N - 1) * fit['ring']['alpha_s'] * 1e6:.0f} us"
                 f" (each step a send/recv driven from Python), against the library's {2 * (N - 1) * fit['library']['alpha_s'] * 1e6:.0f} us;"
                 f" the faster the link, the larger a message must be before bandwidth, not that cost, sets the time")
         say(f"  derived: naive / ring time at {sizes[-1] / 2**20:g} MiB: {slow:.2f}x; the model says {N}x when every"
