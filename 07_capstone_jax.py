@@ -384,7 +384,7 @@ def main():
           + (f"{peaks['datasheet_bf16'] / 1e12:.0f}" if peaks['datasheet_bf16'] else "n/a (unknown device)") + " TFLOP/s (reference), "
           f"measured bf16 matmul {peaks['measured_bf16_matmul'] / 1e12:.3g} TFLOP/s"
           + (f", fp32 {peaks['measured_fp32_matmul'] / 1e12:.3g}" if peaks["measured_fp32_matmul"] else "")
-          + f" | fused attention: {attn_impl}" + (f" (probe, fwd+bwd ms: {attn_probe})" if attn_probe else ""))
+          + f" | fused attention: {attn_impl}" + (f" (probe, measured fwd+bwd ms: {attn_probe})" if attn_probe else ""))
     print("baseline matmul precision: full fp32 (jax.default_matmul_precision('highest'); JAX's default "
           "would be TF32 on a GPU)" + ("" if gpu else "; on a CPU TF32 does not exist, so that rung changes nothing"))
     rungs = []

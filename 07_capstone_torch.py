@@ -403,7 +403,7 @@ def main():
           + (f"{peaks['datasheet_bf16'] / 1e12:.0f}" if peaks['datasheet_bf16'] else "n/a (unknown device)") + " TFLOP/s (reference), "
           f"measured bf16 matmul {peaks['measured_bf16_matmul'] / 1e12:.3g} TFLOP/s"
           + (f", fp32 {peaks['measured_fp32_matmul'] / 1e12:.3g}" if peaks["measured_fp32_matmul"] else "")
-          + (f" | SDPA fwd+bwd of one layer at B={args.batch} (ms): "
+          + (f" | SDPA fwd+bwd of one layer at B={args.batch} (measured, ms): "
              + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in sdpa_probe.items())
              if sdpa_probe else ""))
     bf16_has_units = gpu or peaks["measured_bf16_matmul"] > peaks["measured_fp32_matmul"]
