@@ -44,7 +44,8 @@ class CausalSelfAttention(nnx.Module):
         B, T, C = x.shape
         qkv = self.c_attn(x)
         # (B, T, C) -> (B, T, nh, hs): JAX's attention takes heads as the third axis
-        q, k, v = (t.reshape(B, T, self.n_head, C // self.n_head) for t in jnp.split(qkv, 3, axis=-1))
+        q, k, v = (t.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
+                   for t in jnp.split(qkv, 3, axis=-1))
         if self.attn == "sdpa":
             # one fused attention (cuDNN flash on a GPU when asked): no T x T in memory
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attn_impl)
@@ -91,7 +92,7 @@ class GPT(nnx.Module):
 
     def __init__(self, config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None,
                  attn_impl=None):
-        assert config.attn in ("sdpa", "manual"), f"attn must be sdpa or manual, not {config.attn!r}"
+        assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual, not {config.attn!r}"
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config, self.dtype = config, dtype
         embed = partial(nnx.Embed, embedding_init=normal(0.02), param_dtype=param_dtype, rngs=rngs)
@@ -104,7 +105,7 @@ class GPT(nnx.Module):
 
     def __call__(self, idx, targets=None):
         B, T = idx.shape
-        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        assert T <= self.config.block_size, f"sequence length {T} > {self.config.block_size}"
         x = self.wte(idx) + self.wpe(jnp.arange(T))  # fp32 residual stream
         for block in self.h:
             if self.config.checkpoint:
@@ -121,18 +122,20 @@ class GPT(nnx.Module):
 
 def cross_entropy(logits, targets):
     """Mean cross-entropy on fp32 logits (bf16 would lose precision). The target's logit is
-    picked with a one-hot mask, which XLA fuses into the reductions and the softmax's gradient.
-    With a gather (optax's integer-label loss) XLA spent 3 ms more per step in kernels over the
-    B x T x V logits: 133 vs 130 ms per capstone step on an H200 (results/h200/probes)."""
+    picked with a one-hot mask, which XLA fuses into the reductions and the softmax's
+    gradient; a gather (optax's integer-label loss) costs XLA extra passes over the
+    B x T x V logits."""
     logits = logits.astype(jnp.float32)
-    target_logit = jnp.sum(jnp.where(jnp.arange(logits.shape[-1]) == targets[..., None], logits, 0.0), axis=-1)
+    is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
 
 
 def adamw(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95)):
     """AdamW as model_torch.configure_optimizer: matrices decay, biases and gains do not."""
     decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.adamw(lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=weight_decay, mask=decay)
+    return optax.adamw(lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=weight_decay,
+                       mask=decay)
 
 
 def make_train_step(graphdef, donate=False):

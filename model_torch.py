@@ -50,26 +50,29 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        assert config.attn in ("sdpa", "manual"), f"attn must be sdpa or manual, not {config.attn!r}"
+        assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual, not {config.attn!r}"
         self.n_head, self.attn = config.n_head, config.attn
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x):
-        B, T, C = x.size()
+        B, T, C = x.size()  # batch, sequence length, embedding dim (n_embd)
         q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hs): heads become a batch dimension
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # heads become a batch dimension: nh heads of hs = C // nh channels each
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.attn == "sdpa":
             # one fused kernel (flash / memory-efficient): the T x T scores never reach memory
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:
             # the textbook version: a (B, nh, T, T) matrix is written, softmaxed and read back
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            att = F.softmax(att.masked_fill(~causal, float("-inf")).float(), dim=-1)  # fp32 softmax
-            y = att @ v
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads
+            att = att.masked_fill(~causal, float("-inf"))
+            att = F.softmax(att.float(), dim=-1)  # softmax in fp32, also under autocast
+            y = att @ v  # (B, nh, T, T) x (B, nh, T, hs) -> (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble the heads: (B, T, C)
         return self.c_proj(y)
 
 
@@ -123,8 +126,16 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx, targets=None):
+        """Logits (B, T, V) and, when targets are given, the mean cross-entropy.
+
+        Unlike nanoGPT, the logits come back detached when targets are given: the gradient
+        flows through the loss alone. Logits that still required grad would make a compiled
+        backward allocate, zero-fill and add a B x T x V gradient for an output nobody uses
+        (6.6 GB in bf16 at B=64, T=1024, V=50304). Call without targets for logits that
+        carry a gradient.
+        """
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        assert T <= self.config.block_size, f"sequence length {T} > {self.config.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for block in self.transformer.h:
@@ -137,9 +148,6 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:  # loss on fp32 logits, also under autocast
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            # the gradient flows through the loss; returned logits that still required grad would
-            # make a compiled backward zero-fill and add a B x T x V gradient for them (6.6 GB at
-            # B=64, T=1024): 130-132 vs 124 ms per capstone step on an H200 (results/h200/probes)
             logits = logits.detach()
         return logits, loss
 
@@ -196,48 +204,71 @@ def state_bytes(config, param_bytes=4):
     return dict(params=param_bytes * n, grads=param_bytes * n, optimizer=2 * 4 * n)
 
 
-def block_activation_bytes(config, seq_len=None, bf16=False):
-    """Bytes one block keeps per token for backward (see activation_bytes for the list)."""
+def block_activation_terms(config, seq_len=None, bf16=False):
+    """Bytes one block keeps for backward, per token, term by term (activation_bytes lists
+    which tensor is which). bf16: under torch.autocast."""
     c = config
     T = c.block_size if seq_len is None else seq_len
-    d, H, act = c.n_embd, c.n_head, 2 if bf16 else 4
+    d, H = c.n_embd, c.n_head
+    act = 2 if bf16 else 4  # bytes of an activation that feeds a matmul
     if c.checkpoint:
-        return 4 * d  # only the block's fp32 input
-    per_block = (2 * 4 * d + 14 * act * d) + 2 * 2 * 4  # 16 d values + LayerNorm stats
+        return dict(block_input=4 * d)  # the fp32 residual stream entering the block
+    terms = dict(
+        layernorm_inputs=2 * 4 * d,     # the fp32 residual stream entering ln_1 and ln_2
+        layernorm_stats=2 * 2 * 4,      # mean and rstd of each LayerNorm, fp32
+        matmul_inputs=7 * d * act,      # ln_1 out, attention out, ln_2 out (d each), gelu out (4d)
+        qkv=3 * d * act,                # q, k, v, kept by the attention
+        mlp_hidden=4 * d * act,         # c_fc out, kept by the GELU
+    )
     if c.attn == "sdpa":
-        return per_block + 4 * H                       # log-sum-exp
-    return per_block + 4 * H * T + (2 * H * T if bf16 else 0)  # softmax out (+ bf16 copy)
+        terms["attention_logsumexp"] = 4 * H  # one fp32 log-sum-exp per head
+    else:
+        terms["attention_probs"] = 4 * H * T  # the fp32 softmax output
+        if bf16:
+            terms["attention_probs_bf16"] = 2 * H * T  # its bf16 copy, the input of att @ v
+    return terms
 
 
-def activation_bytes(config, batch_size, seq_len=None, bf16=False):
+def activation_terms(config, batch_size, seq_len=None, bf16=False):
     """Predicted bytes that autograd keeps alive between forward and backward (saved
-    tensors, parameters excluded), for this file's implementation. Per token, counted
+    tensors, parameters excluded), for this file's implementation, term by term. Counted
     tensor by tensor (Korthikanti et al. 2022 do the same for Megatron):
 
-      per block, fp32     x, ln_1 out, qkv (3d), heads merged, x + attn, ln_2 out,
-                          c_fc out (4d), gelu out (4d)  ->  16 d floats
-      per block, autocast the residual stream stays fp32 (4 B), the rest are bf16 copies
-                          (2 B): 2 x 4d + 14 x 2d = 36 d bytes
-      LayerNorm stats     mean and rstd, fp32, 2 per LayerNorm
-      attention           sdpa: its output (already in the merged-heads layout, so the
-                          merge copies nothing) and one fp32 log-sum-exp per head;
-                          manual: the fp32 softmax output, n_head x T per token, and
-                          under autocast its bf16 copy for att @ v
-      outside the blocks  the ids (int64), ln_f's input, the lm_head input and the fp32
-                          log-softmax (V floats), the targets (int64)
-      autocast            the bf16 copies of the weight matrices, saved for backward:
-                          2 bytes x (V d + 12 L d^2), once per step, not per token
-      checkpointing       a block keeps only its input (fp32), its insides (and their
+      blocks.*            per block and token: see block_activation_terms. In fp32 that is
+                          16 d floats + LayerNorm stats; under autocast the residual stream
+                          stays fp32 (2 x 4d bytes) and the 14 d matmul-side values are bf16
+      token_ids, targets  int64 per token; position_ids: int64 per position, once
+      ln_f                its fp32 input and its stats; lm_head_input: ln_f's output
+      log_softmax         the fp32 log-probabilities over the vocabulary, V per token
+      loss                the fp32 scalar the mean reduction keeps
+      causal_mask         manual attention only: the T x T bool mask, once per layer
+                          (recomputed, not kept, under checkpointing)
+      weight_copies       autocast only: the bf16 copies of the weight matrices, saved for
+                          backward, 2 bytes x (V d + 12 L d^2), once per step, not per token
+      checkpointing       a block keeps only its input (fp32); its insides (and their
                           weight copies) are recomputed in backward
     """
     c = config
     T = c.block_size if seq_len is None else seq_len
     d, L, V = c.n_embd, c.n_layer, c.vocab_size
-    act = 2 if bf16 else 4  # bytes of a matmul-side activation
-    per_block = block_activation_bytes(c, T, bf16)
-    head = 8 + (4 * d + 2 * 4) + act * d + 4 * V + 8    # ids, ln_f, lm_head in, log-softmax, targets
-    weight_copies = 2 * (V * d + (0 if c.checkpoint else 12 * L * d * d)) if bf16 else 0
-    return batch_size * T * (L * per_block + head) + weight_copies
+    tokens = batch_size * T
+    act = 2 if bf16 else 4
+    terms = {f"blocks.{name}": tokens * L * b
+             for name, b in block_activation_terms(c, T, bf16).items()}
+    terms.update(token_ids=8 * tokens, targets=8 * tokens, position_ids=8 * T, loss=4)
+    terms.update(ln_f=(4 * d + 2 * 4) * tokens, lm_head_input=act * d * tokens,
+                 log_softmax=4 * V * tokens)
+    if c.attn == "manual" and not c.checkpoint:
+        terms["causal_mask"] = L * T * T
+    if bf16:
+        matrices = V * d + (0 if c.checkpoint else 12 * L * d * d)
+        terms["weight_copies"] = 2 * matrices
+    return terms
+
+
+def activation_bytes(config, batch_size, seq_len=None, bf16=False):
+    """Total of activation_terms: the bytes saved for backward in one step."""
+    return sum(activation_terms(config, batch_size, seq_len, bf16).values())
 
 
 if __name__ == "__main__":
@@ -258,10 +289,11 @@ if __name__ == "__main__":
         loss.backward()
         if device == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    print(f"torch {torch.__version__} on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: "
-          f"{name} ({param_count(config) / 1e6:.1f}M params), bf16 autocast, B=4, T={config.block_size}: "
-          f"loss {loss.item():.4f} (ln V = {math.log(config.vocab_size):.4f}), "
-          f"fwd+bwd {dt * 1e3:.1f} ms (measured), peak {peak:.2f} GiB (measured)")
-    assert math.isfinite(loss.item()) and abs(loss.item() - math.log(config.vocab_size)) < 0.5
+        seconds = time.perf_counter() - t0
+    print(f"torch {torch.__version__} on {device}: {name}, {param_count(config) / 1e6:.1f}M params")
+    print(f"bf16 autocast, B=4, T={config.block_size}: loss {loss.item():.4f} "
+          f"(ln V = {math.log(config.vocab_size):.4f})")
+    print(f"fwd+bwd {seconds * 1e3:.1f} ms (measured)")
+    if device == "cuda":
+        print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (measured)")
+    assert abs(loss.item() - math.log(config.vocab_size)) < 0.5, "loss far from ln V at init"

@@ -1,46 +1,134 @@
 """
 Tests for perf-lessons, on the CPU: the shared models, then every lesson run for real
-(`--quick --json`) as a subprocess, asserting on the physics its JSON reports.
+(`--quick --json`) as a subprocess, from a folder holding only the lesson and the model
+files it imports (as a reader who copies it), asserting on the physics its JSON reports;
+then every bad input each lesson must refuse, in milliseconds, through its `parse_args`.
 
-    python -m pytest -q test_lessons.py          # the whole file, < 10 minutes on 2 cores
+    python -m pytest -q test_lessons.py
 """
 
+import importlib.util
 import json
 import math
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from model_torch import GPT, GPTConfig, activation_bytes, flops_per_token, param_count, state_bytes
+from model_torch import (GPT, GPTConfig, activation_bytes, activation_terms, flops_per_token,
+                         param_count, state_bytes)
 
 HERE = Path(__file__).resolve().parent
 
 
 # ---------------------------------------------------------------------------------------
-# Running a lesson as the reader would: a real process, its JSON read back.
+# Running a lesson as the reader would: a copy of it alone, a real process, its JSON read back.
 
-def run_lesson(script, *args, nproc=None, devices=None, timeout=300, tmp_path):
-    """Run `python script --quick --device cpu --json F *args` (under torchrun with `nproc`
-    gloo ranks, or with `devices` simulated JAX CPU devices) and return its JSON."""
-    out = tmp_path / f"{Path(script).stem}.json"
-    cmd = [script, "--quick", "--device", "cpu", "--json", str(out), "--out", str(tmp_path), *args]
-    if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *cmd]
-    else:
-        cmd = [sys.executable, *cmd]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"
-               if nproc else os.environ.get("OMP_NUM_THREADS", "2"))
+def lesson_folder(script, tmp_path):
+    """An empty folder holding the lesson and only the model files it imports."""
+    folder = tmp_path / "lesson"
+    folder.mkdir(exist_ok=True)
+    text = (HERE / script).read_text()
+    needs = {"model_jax.py": "model_jax" in text, "model_torch.py": "model_" in text}
+    for name in [script] + [f for f, needed in needs.items() if needed]:
+        shutil.copy(HERE / name, folder / name)
+    return folder
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script, *args, tmp_path, nproc=None, nnodes=1, devices=None, env=None):
+    """Start `python script *args` from a lesson folder: alone, under torchrun with `nproc`
+    gloo ranks per node (`nnodes` > 1: one torchrun agent per "node", all on this machine,
+    joined through a c10d rendezvous), or with `devices` simulated JAX CPU devices."""
+    folder = lesson_folder(script, tmp_path)
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    full_env["OMP_NUM_THREADS"] = "1" if nproc else full_env.get("OMP_NUM_THREADS", "2")
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env.update(env or {})
+    if not nproc:
+        return [subprocess.Popen([sys.executable, script, *args], cwd=folder, env=full_env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)]
+    if nnodes == 1:
+        rdzv = ["--standalone"]
+    else:
+        rdzv = [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=test"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={nproc}",
+           script, *args]
+    return [subprocess.Popen(cmd, cwd=folder, env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for _ in range(nnodes)]
+
+
+def run_process(script, *args, timeout=240, **kwargs):
+    """Run a lesson to the end; the CompletedProcess of the first (or only) launcher."""
+    procs = launch(script, *args, **kwargs)
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    for r in results[1:]:
+        assert r.returncode == 0, f"another node exited {r.returncode}\n{r.stderr[-3000:]}"
+    return results[0]
+
+
+def interrupt(script, *args, after, timeout=60, **kwargs):
+    """Press Ctrl-C `after` seconds into a run: SIGINT to the launcher's whole process group,
+    as a terminal does. Returns the CompletedProcess of the first launcher."""
+    procs = launch(script, *args, **kwargs)
+    time.sleep(after)
+    for p in procs:
+        os.killpg(p.pid, signal.SIGINT)
+    results = [(p, *p.communicate(timeout=timeout)) for p in procs]
+    p, out, err = results[0]
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def run_lesson(script, *args, tmp_path, **kwargs):
+    """Run `script --quick --device cpu --json F --out DIR *args` and return its JSON."""
+    out = tmp_path / f"{Path(script).stem}.json"
+    proc = run_process(script, "--quick", "--device", "cpu", "--json", str(out),
+                       "--out", str(tmp_path / "out"), *args, tmp_path=tmp_path, **kwargs)
+    assert proc.returncode == 0, (f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+def load_lesson(script):
+    """Import a lesson file as a module (its name starts with a digit), without running it."""
+    spec = importlib.util.spec_from_file_location("lesson_" + Path(script).stem, HERE / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(parse_args, argv):
+    """The exit code parse_args(argv) stops with (None if it accepts the arguments)."""
+    try:
+        parse_args(argv)
+    except SystemExit as e:
+        return 1 if isinstance(e.code, str) else e.code
+    return None
 
 
 # ---------------------------------------------------------------------------------------
