@@ -238,7 +238,7 @@ def activation_terms(config, batch_size, seq_len=None, bf16=False):
                           16 d floats + LayerNorm stats; under autocast the residual stream
                           stays fp32 (2 x 4d bytes) and the 14 d matmul-side values are bf16
       token_ids, targets  int64 per token; position_ids: int64 per position, once
-      ln_f                its fp32 input and its stats; lm_head_input: ln_f's output
+      ln_f_*              its fp32 input and its stats; lm_head_input: ln_f's output
       log_softmax         the fp32 log-probabilities over the vocabulary, V per token
       loss                the fp32 scalar the mean reduction keeps
       causal_mask         manual attention only: the T x T bool mask, once per layer
@@ -256,8 +256,8 @@ def activation_terms(config, batch_size, seq_len=None, bf16=False):
     terms = {f"blocks.{name}": tokens * L * b
              for name, b in block_activation_terms(c, T, bf16).items()}
     terms.update(token_ids=8 * tokens, targets=8 * tokens, position_ids=8 * T, loss=4)
-    terms.update(ln_f=(4 * d + 2 * 4) * tokens, lm_head_input=act * d * tokens,
-                 log_softmax=4 * V * tokens)
+    terms.update(ln_f_input=4 * d * tokens, ln_f_stats=2 * 4 * tokens,
+                 lm_head_input=act * d * tokens, log_softmax=4 * V * tokens)
     if c.attn == "manual" and not c.checkpoint:
         terms["causal_mask"] = L * T * T
     if bf16:

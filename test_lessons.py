@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from model_torch import (GPT, GPTConfig, activation_bytes, activation_terms, flops_per_token,
-                         param_count, state_bytes)
+from model_torch import (GPT, GPTConfig, activation_bytes, activation_terms,
+                         block_activation_terms, flops_per_token, param_count, state_bytes)
 
 HERE = Path(__file__).resolve().parent
 
@@ -171,30 +171,91 @@ def test_state_bytes_are_sixteen_per_parameter():
     assert b["params"] + b["grads"] + b["optimizer"] == 16 * n
 
 
-def saved_bytes(model, idx, bf16=False):
-    """Bytes autograd saves for backward during one forward, parameters excluded."""
+def saved_tensors(model, idx, targets, bf16=False):
+    """What autograd saves for backward during one forward, parameters excluded: one entry
+    per storage (views share one), as (bytes, shape, dtype) of the first tensor seen on it."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            seen[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in params and s.data_ptr() not in seen:
+            seen[s.data_ptr()] = (s.nbytes(), tuple(t.shape), t.dtype)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            model(idx, idx)
-    return sum(seen.values())
+            model(idx, targets)
+    return list(seen.values())
 
 
+def saved_bytes(model, idx, bf16=False):
+    targets = torch.randint(0, model.config.vocab_size, idx.shape)
+    return sum(b for b, _, _ in saved_tensors(model, idx, targets, bf16))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
 @pytest.mark.parametrize("attn", ["sdpa", "manual"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_activation_prediction_matches_saved_tensors(attn, bf16):
-    cfg = tiny(attn=attn, n_layer=2)
-    idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-    counted = saved_bytes(GPT(cfg), idx, bf16)
-    assert abs(activation_bytes(cfg, 2, bf16=bf16) / counted - 1) < 0.01
+def test_activation_prediction_is_exact_term_by_term(attn, bf16, checkpointed):
+    # the prediction is counted tensor by tensor, so it must equal autograd's saved bytes
+    # exactly, in total and in every term that a tensor's shape and dtype identify
+    cfg = tiny(attn=attn, n_layer=2, checkpoint=checkpointed)
+    B, T, H, V, L = 3, cfg.block_size, cfg.n_head, cfg.vocab_size, cfg.n_layer  # B T != 4 d
+    idx, targets = torch.randint(0, V, (2, B, T))
+    saved = saved_tensors(GPT(cfg), idx, targets, bf16)
+    terms = activation_terms(cfg, B, bf16=bf16)
+    assert sum(b for b, _, _ in saved) == activation_bytes(cfg, B, bf16=bf16) == sum(terms.values())
+
+    def counted(shape, dtype):
+        return sum(b for b, s, d in saved if s == shape and d == dtype)
+
+    f32, half = torch.float32, torch.bfloat16
+    inner = 0 if checkpointed else 1  # a checkpointed block keeps none of its insides
+    assert counted((B, T, 1), f32) == inner * terms.get("blocks.layernorm_stats", 0) + terms["ln_f_stats"]
+    assert counted((B * T, V), f32) == terms["log_softmax"]
+    assert sum(b for b, _, d in saved if d == torch.int64) == (
+        terms["token_ids"] + terms["targets"] + terms["position_ids"])
+    assert sum(b for b, _, d in saved if d == torch.bool) == terms.get("causal_mask", 0)
+    weights = [b for b, s, d in saved if len(s) == 2 and s[0] != B * T and d == half]
+    assert sum(weights) == terms.get("weight_copies", 0)  # (B T, d) rows are activations
+    if attn == "sdpa":
+        assert counted((B, H, T), f32) == terms.get("blocks.attention_logsumexp", 0)
+    else:
+        assert counted((B, H, T, T), f32) == terms.get("blocks.attention_probs", 0)
+        probs_bf16 = counted((B, H, T, T), half) + counted((B * H, T, T), half)  # bmm's view
+        assert probs_bf16 == terms.get("blocks.attention_probs_bf16", 0)
+    for name, per_token in block_activation_terms(cfg, T, bf16).items():
+        assert terms["blocks." + name] == L * B * T * per_token
+
+
+def test_gpt2_init_statistics():
+    # GPT-2's init: weights N(0, 0.02); the two residual projections of each block N(0,
+    # 0.02 / sqrt(2 L)), so the residual stream's variance does not grow with depth; biases 0,
+    # LayerNorm gains 1. The same in the JAX model.
+    import jax
+    from flax import nnx
+    from model_jax import GPT as JaxGPT
+    cfg = tiny(n_layer=6)
+    torch.manual_seed(0)
+    params = dict(GPT(cfg).named_parameters())
+    scaled = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for name, p in params.items():
+        if name.endswith("c_proj.weight"):
+            assert abs(p.std().item() / scaled - 1) < 0.05, name
+        elif p.dim() == 2:
+            assert abs(p.std().item() / 0.02 - 1) < 0.05, name
+        elif name.endswith("bias"):
+            assert torch.all(p == 0), name
+        else:
+            assert torch.all(p == 1), name
+    jmodel = JaxGPT(cfg, rngs=nnx.Rngs(0))
+    for block in jmodel.h[:2]:
+        for lin in (block.attn.c_proj, block.mlp.c_proj):
+            assert abs(float(lin.kernel[...].std()) / scaled - 1) < 0.05
+        assert abs(float(block.mlp.c_fc.kernel[...].std()) / 0.02 - 1) < 0.05
+    assert abs(float(jmodel.wte.embedding[...].std()) / 0.02 - 1) < 0.05
+    assert jax.numpy.all(jmodel.h[0].attn.c_attn.bias[...] == 0)
 
 
 def test_manual_attention_equals_sdpa():
