@@ -1,489 +1,645 @@
 """
-Section 13.7: the waterfall, in JAX. The same GPT-2 124M, the same tokens, batches and initial
-weights as 07_capstone_torch.py, taken down JAX's version of the method, one measured rung per
-technique, each kept for the rungs after it: un-jitted op-by-op baseline (full fp32 matmuls) ->
-jax.jit of the whole step -> TF32 -> bf16 compute dtype -> buffer donation + fused attention ->
-vocab 50304 + the whole batch in one micro-step -> no host sync per step (the loss read every
-few steps) -> cuBLAS for every matmul (XLA's own Triton GEMMs off) -> activation checkpointing
-(nnx.remat; a detour: it costs time when memory does not bind, so the next rung drops it again)
--> data-parallel sharding over every visible device. 65,536 tokens per step on a GPU (gradient accumulation over
-equal micro-batches where the micro-batch is smaller), so each rung's loss at a common step must
-track the baseline's: the waterfall changes the speed, not the math.
+Section 13.7: the waterfall, in JAX. GPT-2 124M (tiny on a CPU) with 07_capstone_torch.py's
+tokens, batches and initial weights, down JAX's version of the method: one measured rung per
+technique (RUNGS), each from the same init on the same batches and tokens per step, so every
+rung's loss must track the baseline's (the waterfall changes the speed, not the math); after each
+rung the JAX profiler splits its step's time by kernel class: what binds now.
 
-    python 07_capstone_jax.py                    # one GPU: gpt2 (124M, T=1024), ~6-7 min with compiles
-    python 07_capstone_jax.py                    # several GPUs: the last rung shards the batch over all
-    python 07_capstone_jax.py --device cpu       # the tiny preset, a few minutes on 2 cores
+    python 07_capstone_jax.py               # one GPU: gpt2 (124M, T=1024), ~5 min
+    python 07_capstone_jax.py --headline    # first jitted vs final rung, 100 steps each, ~2 min
+    python 07_capstone_jax.py --scaling     # the final rung on one device, then on all of them
+    python 07_capstone_jax.py --device cpu  # the tiny preset, a few minutes on 2 cores
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python 07_capstone_jax.py --device cpu --quick
-                                                 # every rung for a couple of steps, 4 simulated devices
 
-Where the frameworks diverge: "compile" is jax.jit of the whole training step (forward, backward
-and AdamW in one XLA program), not a wrapper around the model; precision is explicit (JAX's
-default computes fp32 matmuls as TF32 on a GPU, so the baseline asks for 'highest'); mixed
-precision is a dtype, not a context; data parallelism is a sharding of the batch over a device
-mesh inside one process (no launcher, no wrapper: XLA inserts the gradient all-reduce).
-Per rung it prints ms/step (median of the timed steps; compile time separately), tokens/s, MFU
-with 07_capstone_torch.py's definition, peak memory, activation memory and the loss.
-Output: the table, out/07_capstone_jax.png, --json. Data and tokens: as 07_capstone_torch.py.
+Where the frameworks diverge: "compile" is jax.jit of the whole step (forward, backward, AdamW);
+JAX runs fp32 matmuls as TF32 on a GPU unless asked for 'highest'; mixed precision is a dtype;
+data parallelism is a sharding of the batch over a device mesh, in one process (--interconnect
+staged: GPU-to-GPU bytes through host memory). Output: a table, out/07_capstone_jax.png (the
+waterfall and where each rung's time goes; --headline: out/07_capstone_jax_headline.png), --json.
+Tokens are cached in .cache/. Copy this file with model_jax.py and model_torch.py.
 """
-
-import argparse, hashlib, json, os, platform, sys, sysconfig, tempfile, time, warnings
+import argparse, contextlib, gzip, hashlib, json, math, os, platform, re, statistics, sys
+import sysconfig, tempfile, time, warnings
 from pathlib import Path
+from types import SimpleNamespace
 
-# model_jax imports model_torch, which imports torch: keep JAX from preallocating 75% of the GPU,
-# but let it grow to 95% (torch stays on the CPU here): the B=64 rung's step needs one ~44 GiB
-# scratch buffer, which did not fit under the default 75% cap (measured on an H200)
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-import numpy as np
-import jax
-import jax.numpy as jnp
-import torch
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # grow to 95% of the GPU, not
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # 75% at once: B=64 needs it
+import jax, jax.numpy as jnp, numpy as np, optax, torch
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
-
+from jax.sharding import NamedSharding, PartitionSpec
 from model_torch import GPT as TorchGPT, GPTConfig, datasheet_bf16_peak, flops_per_token
-from model_jax import GPT, adamw, from_torch, make_train_step
+from model_jax import GPT, adamw, cross_entropy, from_torch
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # CPU: harmless
 
+# --- Data: real text, the same batches in both capstones (both files hold this block).
 
-# ---------------------------------------------------------------------------------------
-# Data: real text, the same batches in both capstones (07_capstone_jax.py copies this block).
+def read_corpus(data, max_bytes=20_000_000):
+    """--data FILE, else the stdlib's *.py files (sorted, capped); a bad file: one line, exit 1."""
+    if data is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "dist-packages"}  # installed packages are not the stdlib
+        files = sorted(p for p in root.rglob("*.py") if not skip & set(p.parts))
+        return b"\n".join(p.read_bytes() for p in files)[:max_bytes]
+    if not Path(data).is_file():
+        sys.exit(f"error: --data {data}: not a file")
+    raw = Path(data).read_bytes()[:max_bytes]
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(raw) - 3:  # not a multi-byte character cut by the cap
+            sys.exit(f"error: --data {data}: not UTF-8 text (byte {e.start} is {raw[e.start]:#x})")
+    return raw
 
-def load_tokens(data=None, cache_dir=".cache", max_bytes=20_000_000):
-    """Token ids (np.uint16) of --data FILE, else the stdlib's *.py files (sorted, capped at
-    max_bytes); GPT-2 BPE if tiktoken's files are cached locally, else UTF-8 bytes (< 256)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [Path(data)] if data else sorted(p for p in root.rglob("*.py")
-                                             if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    chunks, size = [], 0
-    for f in files:
-        if size < max_bytes:
-            chunks.append(f.read_bytes()[: max_bytes - size]); size += len(chunks[-1])
-    raw = b"\n".join(chunks)
-    # tiktoken downloads GPT-2's BPE on first use and we have no network: use it only if cached
+def load_tokens(data, min_tokens, cache_dir=".cache"):
+    """Token ids (uint16) and the tokenizer: GPT-2 BPE if tiktoken's files are cached (no network
+    to fetch them), else UTF-8 bytes (ids < 256). Tokenized once, cached atomically."""
+    raw = read_corpus(data)
     tk_cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
                 or os.path.join(tempfile.gettempdir(), "data-gym-cache"))
-    urls = [f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{n}" for n in ("vocab.bpe", "encoder.json")]
-    bpe = all(os.path.exists(os.path.join(tk_cache, hashlib.sha1(u.encode()).hexdigest())) for u in urls)
+    url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    bpe = all(os.path.exists(os.path.join(tk_cache, hashlib.sha1(f"{url}{f}".encode()).hexdigest()))
+              for f in ("vocab.bpe", "encoder.json"))
     tokenizer = "gpt2-bpe" if bpe else "utf8-bytes"
     path = Path(cache_dir) / f"tokens-{tokenizer}-{hashlib.sha1(raw).hexdigest()[:16]}.npy"
-    if not path.exists():
-        if bpe:
-            import tiktoken
-            ids = tiktoken.get_encoding("gpt2").encode_ordinary(raw.decode("utf-8", errors="replace"))
-        else:
-            print("tokenizer: tiktoken's GPT-2 BPE files are not cached (no network): UTF-8 bytes, ids < 256, model vocab unchanged")
-            ids = np.frombuffer(raw, dtype=np.uint8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(path, np.asarray(ids, dtype=np.uint16))
-    return np.load(path), tokenizer
-
+    try:
+        return np.load(path), tokenizer
+    except (OSError, ValueError, EOFError):  # absent, or left unreadable: tokenize again
+        pass
+    if bpe:
+        import tiktoken
+        ids = tiktoken.get_encoding("gpt2").encode_ordinary(raw.decode("utf-8", errors="replace"))
+    else:
+        print("tokenizer: tiktoken's GPT-2 BPE files are not cached (no network): UTF-8 bytes")
+        ids = np.frombuffer(raw, dtype=np.uint8)
+    ids = np.asarray(ids, dtype=np.uint16)
+    if len(ids) < min_tokens:
+        sys.exit(f"error: --data {data}: {len(ids)} tokens, fewer than one batch's {min_tokens}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+    np.save(tmp, ids)
+    os.replace(tmp, path)  # a reader never sees a half-written cache, even after Ctrl-C
+    return ids, tokenizer
 
 def get_batch(tokens, step, batch_size, seq_len, seed=0):
-    """Batch number `step`: batch_size windows at offsets from a generator seeded by (seed, step)."""
-    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch_size)
-    w = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
-    return w[:, :-1], w[:, 1:]
+    """Batch number `step`, drawn by a generator seeded by (seed, step): the same in every rung."""
+    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, batch_size)
+    windows = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
+    return windows[:, :-1], windows[:, 1:]
 
-
-# ---------------------------------------------------------------------------------------
-# The rungs, in the order the section tells them. Each changes one thing and keeps the rest.
-# "why": the regime the rung targets and the prediction, printed before it is measured.
-
-WINDOW = 5  # steps between host syncs once the rung "no host sync per step" is on
-
+# --- The rungs, in the section's order. Each changes one thing and inherits the rest from the
+# last KEPT rung before it; "why": the regime it targets, and the prediction.
+WINDOW = 5  # steps between host syncs once "no host sync per step" is on
 RUNGS = [
     dict(name="un-jitted (op-by-op)", jit=False, precision="highest", bf16=False, attn="manual",
-         donate=False, vocab=50257, accum=4, host_sync=True, triton_gemm=True, checkpoint=False, shard=False,
-         why="baseline: every jnp op dispatched from Python one at a time (no jax.jit), full fp32 "
-             "matmuls (default_matmul_precision 'highest': no TF32), the T x T attention materialised: "
-             "overhead- and fp32-compute-bound; expect < 5% MFU on a GPU"),
-    dict(name="+ jax.jit (whole step)", jit=True,
-         why="overhead- and bandwidth-bound parts: one XLA program for forward, backward and AdamW, no "
-             "per-op dispatch, elementwise chains fused; the matmuls stay full fp32, so on a GPU the "
-             "fp32 units still cap it: expect 1.2-2x there (far more where dispatch dominated)"),
-    dict(name="+ TF32 (default precision)", precision="default",
-         why="compute-bound on the wrong units: JAX's default precision runs fp32 matmuls as TF32 on "
-             "tensor cores (495 TFLOP/s datasheet vs ~51 fp32, a reference value measured on an H200, "
-             "REFERENCES.md): expect 2-3x; a CPU has no TF32: no-op"),
-    dict(name="+ bf16 compute dtype", bf16=True,
-         why="dtype=bfloat16, param_dtype=float32: bf16 matmuls (2x the TF32 peak) and half the "
-             "activation bytes; params, LayerNorm, residual stream and loss stay fp32: expect 1.3-2x"),
-    dict(name="+ donation + fused attention", donate=True, attn="sdpa",
-         why="bandwidth-bound: jax.nn.dot_product_attention (cuDNN's fused kernel on a GPU) never writes "
-             "the B*H*T*T scores; donating the old state lets XLA update params and AdamW moments in "
-             "place instead of keeping two copies: expect 1.2-1.5x and less memory"),
-    dict(name="+ vocab 50304, 1 micro-step", vocab=50304, accum=1,
-         why="50257 is odd: the largest matmul (lm_head) runs with ragged tiles; 50304 = 128 x 393 "
-             "fills them (nanoGPT: up to ~25%); a 4x larger micro-batch amortises fixed per-micro-step "
-             "costs (the plain model_jax.make_train_step): expect 1.05-1.3x"),
-    dict(name="+ no host sync per step", host_sync=False,
-         why="overhead: float(loss) and block_until_ready every step make Python wait for the device "
-             "to drain, then the device idle while the next step is dispatched; wait every "
-             f"{WINDOW} steps and dispatch runs ahead. Here a step is ~100 ms of device work and the "
-             "gap well under 1 ms: expect < 1%; it pays where steps take a few ms"),
-    dict(name="+ cuBLAS for every matmul", triton_gemm=False,
-         why="the compiler's kernel choice: XLA emits some matmuls (those it fuses with a neighbouring "
-             "cast or add) as Triton GEMMs of its own; at these shapes cuBLAS's Hopper kernels run "
-             "them faster. The compile option xla_gpu_enable_triton_gemm=False sends every dot to "
-             "cuBLAS: expect a few % on a GPU, nothing on a CPU (no Triton there)"),
-    dict(name="+ activation checkpointing (remat)", checkpoint=True,
-         why="a memory fix applied where memory does NOT bind: nnx.remat recomputes each block's forward "
-             "in backward, ~1/3 more block FLOPs: expect ~20-30% SLOWER, far fewer saved activations"),
-    dict(name="+ data-parallel sharding (remat off)", checkpoint=False, shard=True,
-         why="Mesh('data') over every device, batch rows sharded (NamedSharding), params replicated; "
-             "XLA inserts the gradient all-reduce: expect close to W x tokens/s"),
+         donate=False, pad_vocab=False, accum=4, steps_per_sync=1, triton_gemm=True,
+         cublaslt=False, checkpoint=False, shard=False, keep=True, builds_on=None,
+         why="baseline: each jnp op dispatched from Python on its own, full fp32 matmuls, the "
+             "T x T scores in memory: overhead- and fp32-bound, < 5% MFU on a GPU"),
+    dict(name="+ jax.jit (whole step)", jit=True, why="overhead: one XLA program for forward, "
+         "backward and AdamW, elementwise chains fused; fp32 units still cap the matmuls: 1.2-5x"),
+    dict(name="+ TF32 (default precision)", precision="default", why="compute-bound on the wrong "
+         "units: fp32 matmuls as TF32 (H100 datasheet: 495 vs 67 TFLOP/s): 2-3x; a CPU has none"),
+    dict(name="+ bf16 compute dtype", bf16=True, why="dtype=bfloat16, param_dtype=float32: 2x "
+         "TF32's peak, half the activation bytes; LayerNorm, residuals, loss stay fp32: 1.3-2x"),
+    dict(name="+ donation + fused attention", donate=True, attn="sdpa", why="bandwidth: a fused "
+         "attention (cuDNN) never writes the B*H*T*T scores; state updated in place: 1.2-1.5x"),
+    dict(name="+ vocab 50304, 1 micro-step", pad_vocab=True, accum=1, why="50304 = 128 x 393 "
+         "fills the largest matmul's tiles; 4x larger micro-batches amortises fixed costs: 1.1-1.3x"),
+    dict(name="+ no host sync per step", steps_per_sync=WINDOW, why="overhead: Python waits for "
+         f"the device every {WINDOW} steps, not every step; a ~100 ms step hides a < 1 ms gap: <1%"),
+    dict(name="+ cuBLAS for every matmul", triton_gemm=False, why="the compiler's kernel choice: "
+         "matmuls fused with a neighbour leave XLA's own Triton GEMMs for cuBLAS: a few %"),
+    dict(name="+ cuBLASLt epilogues (detour)", cublaslt=True, keep=False, why="bandwidth: bias and "
+         "GELU in the matmul's epilogue: one pass over the MLP activations less, 0-5% (CPU: none)"),
+    dict(name="+ activation checkpointing (detour)", checkpoint=True, keep=False, why="memory "
+         "does NOT bind: nnx.remat recomputes each block's forward, 1/3 more FLOPs: 20-30% SLOWER"),
+    dict(name="+ data-parallel sharding", shard=True, why="the batch's rows sharded over every "
+         "device, params replicated, XLA adds the gradient all-reduce: ~N x one device's tokens/s"),
 ]
-for previous, rung in zip(RUNGS, RUNGS[1:]):  # cumulative: each rung inherits the one before
-    rung.update({k: v for k, v in previous.items() if k not in rung and k != "why"})
+for number, rung in enumerate(RUNGS[1:], 1):
+    base = next(r for r in reversed(RUNGS[:number]) if r["keep"])
+    rung.update({**base, "keep": True, **rung, "builds_on": base["name"]})
+FINAL = [r for r in RUNGS if r["keep"] and not r["shard"]][-1]  # the best single-device setup
 
+CONFIGS = {  # the model, sequences a step, timed steps (bf16 rungs, fp32 rungs, the headline's),
+    # the step whose loss is checked, the matmul probe's n, the vocabulary (as shipped, padded)
+    "gpu": dict(preset="gpt2", model={}, batch=64, steps=20, slow_steps=2, head_batch=16,
+                head_steps=98, check_step=3, probe_n=8192, vocab=(50257, 50304)),
+    "cpu": dict(preset="tiny", model={}, batch=8, steps=3, slow_steps=2, head_batch=8,
+                head_steps=18, check_step=3, probe_n=1024, vocab=(50257, 50304)),
+    "quick": dict(preset="tiny", model=dict(n_layer=1, n_head=2, n_embd=64, block_size=32),
+                  batch=4, steps=1, slow_steps=1, head_batch=4, head_steps=1, check_step=2,
+                  probe_n=256, vocab=(8193, 8320))}  # toy model; 8193 rows, padded to 128 x 65
+TOLERANCE = 0.005  # each rung's loss at the check step against the baseline's, relative
+# bf16 keeps 8 mantissa bits (rounding 2^-9 ~ 0.2% per value, averaged over the loss's sums); a
+# few steps from one init on the same batches amplify it to ~0.1%. A wrong mask or a lost
+# gradient moves the loss far more; a wrong accumulation scale does not (AdamW divides it out),
+# so the gradient itself is checked against the full batch's (ACCUM_TOLERANCE)
+HEADLINE_TOLERANCE = 0.03  # the same over 100 steps: rounding differences grow along the run
+ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient, fp32, relative (norm)
+FITS_BYTES = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA context and libraries
+# Where a step's time goes: a kernel takes the class of the first word found in its name, its XLA
+# op or that op's JAX path (the step names scopes "loss", "optimizer"); the rest is elementwise
+KERNEL_CLASSES = {
+    "all-reduce": "communication", "all_reduce": "communication", "nccl": "communication",
+    "sdpa": "attention", "fmha": "attention", "flash": "attention", "attention": "attention",
+    "loss": "loss", "optimizer": "optimizer", "gemm": "matmul", "nvjet": "matmul",
+    "xmma": "matmul", "cutlass": "matmul", "dot": "matmul", "memcpy": "other", "memset": "other"}
+REGIME = {"matmul": "compute-bound", "attention": "compute-bound", "loss": "bandwidth-bound",
+          "optimizer": "bandwidth-bound", "norm+elementwise": "bandwidth-bound",
+          "communication": "communication-bound", "other": "copies", "idle": "overhead-bound"}
 
-# ---------------------------------------------------------------------------------------
-# Measurement helpers.
+# --- Measuring: the clock, this chip's matmul peak, energy, where the device time goes.
 
-def measured_matmul_peak(dtype, n):
-    """FLOP/s of an n^3 matmul (median of 5 after warm-up): the realistic ceiling of this chip."""
-    a, b = (jax.random.normal(jax.random.key(i), (n, n), dtype) for i in range(2))
-    matmul, times = jax.jit(jnp.matmul), []
-    for i in range(7):
-        t0 = time.perf_counter(); matmul(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / float(np.median(times[2:]))
+def sync(device):
+    """JAX: every timed function blocks on its own result (jax.block_until_ready)."""
 
+def bench(fn, device, reps=10, warmup=3):
+    """Call fn warmup times, then time reps calls: (median, min, max) seconds. GPU work is
+    asynchronous, so the device is synchronised before every clock read."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)
 
-def pick_attention(gpu):
-    """On a GPU, time jax.nn.dot_product_attention's XLA and cuDNN backends (fwd+bwd, GPT-2 shapes)
-    and keep cuDNN if it runs, agrees and is faster. On a CPU only XLA exists."""
-    if not gpu:
-        return "xla", {}
-    q, k, v = (jax.random.normal(jax.random.key(i), (8, 1024, 12, 64), jnp.bfloat16) for i in range(3))
-    results, outs = {}, {}
-    for impl in ("xla", "cudnn"):
-        try:
-            attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-            fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.square(attn(q, k, v).astype(jnp.float32)).sum(), (0, 1, 2)))
-            out = np.asarray(jax.jit(attn)(q, k, v).astype(jnp.float32))
-            jax.block_until_ready(fwd_bwd(q, k, v))
-            t0 = time.perf_counter()
-            jax.block_until_ready([fwd_bwd(q, k, v) for _ in range(5)])
-            results[impl], outs[impl] = (time.perf_counter() - t0) / 5 * 1e3, out
-        except Exception as e:  # a backend this jaxlib, cuDNN or GPU does not offer
-            results[impl] = f"unavailable: {type(e).__name__}"
-    ok = "cudnn" in outs and "xla" in outs and np.allclose(outs["cudnn"], outs["xla"], atol=2e-2, rtol=2e-2)
-    best = "cudnn" if ok and results["cudnn"] < results["xla"] else "xla"
-    return best, dict(results, chosen=best)
+def burst_peak(n, dtype):
+    """This chip's matmul FLOP/s as 01_roofline.py and 07_capstone_torch.py measure it: 10
+    bursts of back-to-back n x n matmuls lasting >= 5 ms, each after 100 ms idle and one
+    untimed burst. FLOP/s = 2 n^3 / the median seconds per matmul."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    # XLA's default autotuning (level 4), which XLA_FLAGS turns off for the un-jitted rung
+    matmul = jax.jit(jnp.matmul).lower(a, a).compile(dict(xla_gpu_autotune_level=4))
+    calls = math.ceil(0.005 / bench(lambda: matmul(a, a).block_until_ready(), None, 1, 1)[0])
+    per_call = []
+    for _ in range(10):
+        time.sleep(0.1)
+        burst = lambda: jax.block_until_ready([matmul(a, a) for _ in range(calls)])
+        per_call.append(bench(burst, None, reps=1, warmup=1)[0] / calls)
+    return 2 * n**3 / statistics.median(per_call)
 
+def energy_meter(devices):
+    """A function reading the joules these GPUs have used so far (NVML), or None without NVML."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(64)))
+        ids = [int(visible.split(",")[d.id]) for d in devices]  # NVML numbers every GPU
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in ids]
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handles[0])  # mJ since the driver loaded
+    except Exception:  # no pynvml, no driver or counter, a CPU, or GPUs named by UUID
+        return None
+    return lambda: sum(pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1e3
 
-def accumulating_step(graphdef, accum, jitted=True):
-    """model_jax.make_train_step's step over `accum` equal micro-batches whose gradients are summed
-    before one AdamW update (exact: equal token counts, mean of the means). Under jit a lax.scan
-    (one copy of the micro-step to compile); un-jitted a Python loop (a scan would compile its body)."""
-    def train_step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        gdef, params, rest = nnx.split(model, nnx.Param, ...)
-        loss_fn = lambda p, xm, ym: nnx.merge(gdef, p, rest)(xm, ym)[1]
+def device_time(window, steps, op_paths, world):
+    """ms per step and device by kernel class: one call of window() under the JAX profiler."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # no Python events: they would swamp an op-by-op trace
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, profiler_options=options):  # writes *.trace.json.gz
+            wall_ms = bench(window, None, reps=1, warmup=0)[0] * 1e3 / steps
+        trace = json.load(gzip.open(next(Path(folder).rglob("*.trace.json.gz"))))
+    events = trace["traceEvents"]
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("name") in ("process_name", "thread_name")}
+    streams = {k for k, name in names.items()  # a GPU's kernels: its "Stream #n" lines
+               if name.startswith("Stream") and "/device:GPU" in names.get((k[0], None), "")}
+    ms = dict.fromkeys(REGIME, 0.0)
+    for e in events:  # on a CPU (no streams): the XLA ops, events that name one
+        args = e.get("args", {})
+        op = args.get("hlo_op", "")
+        on_device = (e.get("pid"), e.get("tid")) in streams or not streams and op
+        if e.get("ph") == "X" and on_device and not op.startswith(("while", "call", "conditional")):
+            text = f"{e['name']} {op} {args.get('hlo_module')} {op_paths.get(op)}".lower()
+            kind = next((c for w, c in KERNEL_CLASSES.items() if w in text), "norm+elementwise")
+            ms[kind] += e["dur"] / 1e3 / steps / world  # (a CPU loop's body counted, not the loop)
+    # One GPU stream runs a step's kernels one after another: their sum is the busy time. CPU
+    # threads, or a second stream (an all-reduce beside the backward), overlap: scaled to the wall
+    busy = sum(ms.values())
+    ms = {kind: t * min(1.0, wall_ms / max(busy, 1e-9)) for kind, t in ms.items()}
+    ms["idle"] = max(0.0, wall_ms - busy)  # the wall time no kernel ran
+    binds = max(ms, key=ms.get)
+    return dict(ms=ms, step_ms=wall_ms, binds=binds, regime=REGIME[binds])
 
-        def micro_step(grad_sum, xy):
-            loss, grads = jax.value_and_grad(loss_fn)(params, *xy)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
+# --- The training step, and one rung: the same init, the same batches, the same tokens per step.
 
-        split = lambda a: a.reshape(accum, -1, a.shape[1])  # (micro-steps, rows, T)
-        grads, xs = jax.tree.map(jnp.zeros_like, params), (split(x), split(y))
-        if jitted:
-            grads, losses = jax.lax.scan(micro_step, grads, xs)
-        else:
-            losses = []
-            for xy in zip(*xs):
-                grads, loss = micro_step(grads, xy); losses.append(loss)
-            losses = jnp.stack(losses)
-        optimizer.update(model, jax.tree.map(lambda g: g / accum, grads))
-        return losses.mean(), nnx.state((model, optimizer))
-    return train_step
+def accumulated_grads(model, x, y, accum, jitted=True):
+    """Loss and gradient of a batch from `accum` equal micro-batches: their gradients summed, then
+    divided by accum. Jitted: a lax.scan (one micro-step to compile); else a Python loop."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
+    def micro_step(grad_sum, xy):
+        def loss_fn(params):
+            logits, _ = nnx.merge(graphdef, params, rest)(xy[0])
+            with jax.named_scope("loss"):  # a name the profile's classes look for
+                return cross_entropy(logits, xy[1])
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+    grad_sum, losses = jax.tree.map(jnp.zeros_like, params), []
+    micro = [a.reshape(accum, -1, a.shape[1]) for a in (x, y)]  # (micro-steps, rows, T)
+    if jitted:
+        grad_sum, losses = jax.lax.scan(micro_step, grad_sum, micro)
+    else:
+        for xy in zip(*micro):
+            grad_sum, loss = micro_step(grad_sum, xy)
+            losses.append(loss)
+    return jnp.mean(jnp.asarray(losses)), jax.tree.map(lambda g: g / accum, grad_sum)
+
+def accumulation_error():
+    """Relative norm of (4 micro-batches' gradient - the full batch's): fp32, a toy model."""
+    # PREDICTION: fp32 rounding, ~1e-7. A lost "/ accum" gives 4x the gradient (error 3.0), which
+    # the losses would hide: AdamW's update g / sqrt(v) does not depend on the gradient's scale
+    cfg = GPTConfig.preset("tiny", n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=256)
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(cfg)))  # random weights, no init ops
+    rng = np.random.default_rng(0)
+    state = jax.tree.map(lambda s: rng.normal(0, 0.1, s.shape).astype(s.dtype), shapes)
+    x, y = jnp.asarray(rng.integers(0, 256, (2, 8, 16)), jnp.int32)
+    with jax.default_matmul_precision("highest"):  # one program computes both
+        accumulated, full = jax.jit(lambda s: [accumulated_grads(nnx.merge(graphdef, s), x, y,
+                                                                 n)[1] for n in (4, 1)])(state)
+    difference = jax.tree.map(jnp.subtract, accumulated, full)
+    return float(optax.global_norm(difference) / optax.global_norm(full))
 
 def saved_for_backward_bytes(model, x, y):
-    """Bytes of the residuals jax.vjp keeps from the forward for the backward (one micro-batch),
-    counted by tracing only (jax.eval_shape: no FLOPs, no memory): the activations, plus the
-    weights (or their bf16 copies) the backward reads, as torch's count includes autocast's copies."""
-    gdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss_fn = lambda p: nnx.merge(gdef, p, rest)(x, y)[1]
-    residuals = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(loss_fn, p)[1]), params)
+    """Bytes jax.vjp keeps from the forward for the backward, traced only (no FLOPs, no memory)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    residuals = jax.eval_shape(lambda p: jax.tree.leaves(
+        jax.vjp(lambda p: nnx.merge(graphdef, p, rest)(x, y)[1], p)[1]), params)
     return int(sum(r.size * r.dtype.itemsize for r in residuals))
 
+def build(rung, run, n_batches):
+    """The rung's model at torch's init with AdamW, its batches on its devices, and its step."""
+    devices = run.devices[:1]
+    if rung["shard"]:
+        devices = run.devices
+    mesh = jax.make_mesh((len(devices),), ("data",), (jax.sharding.AxisType.Auto,), devices=devices)
+    vocab = run.vocab[rung["pad_vocab"]]
+    cfg = run.config(vocab_size=vocab, attn=rung["attn"], checkpoint=rung["checkpoint"])
+    dtype = jnp.bfloat16 if rung["bf16"] else jnp.float32
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(cfg, dtype, attn_impl=run.attention)))
+    model = nnx.merge(graphdef, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes))
+    cut = ("transformer.wte.weight", "lm_head.weight")  # torch's init fills every parameter
+    from_torch(model, {k: v[:vocab] if k in cut else v for k, v in run.init_state.items()})
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, adamw(6e-4), wrt=nnx.Param)))
+    state = jax.device_put(state, NamedSharding(mesh, PartitionSpec()))  # a replica per device
+    host = [get_batch(run.tokens, i, run.batch, cfg.block_size) for i in range(n_batches)]
+    rows = NamedSharding(mesh, PartitionSpec("data"))  # each device gets its rows of the batch
+    data = [jax.device_put((x.astype(np.int32), y.astype(np.int32)), rows) for x, y in host]
+    micro = run.batch // rung["accum"] // len(devices)
+    r = dict(world_size=len(devices), micro_batch=micro, compile_s=0.0)
+    if rung["checkpoint"] or rung is FINAL:  # for the checkpointing check
+        r["activation_bytes"] = saved_for_backward_bytes(model, *(a[:micro] for a in host[0]))
 
-# ---------------------------------------------------------------------------------------
-# One rung: same init, same batches, same tokens per step; time the steps after warm-up.
+    def step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = accumulated_grads(model, x, y, rung["accum"], rung["jit"])
+        with jax.named_scope("optimizer"):
+            optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
 
-def train_rung(rung, args, preset, init_state, batches, attn_impl):
-    devices = jax.devices() if rung["shard"] else jax.devices()[:1]
-    world = len(devices)
-    mesh = jax.make_mesh((world,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-    replicated, rows_sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    cfg = model_config(args, preset, vocab_size=rung["vocab"], attn=rung["attn"], checkpoint=rung["checkpoint"])
-    model = GPT(cfg, dtype=jnp.bfloat16 if rung["bf16"] else jnp.float32, param_dtype=jnp.float32,
-                rngs=nnx.Rngs(args.seed), attn_impl=attn_impl if rung["attn"] == "sdpa" else None)
-    V = cfg.vocab_size
-    from_torch(model, {k: v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v
-                       for k, v in init_state.items()})  # torch's init: same weights in both capstones
-    optimizer = nnx.Optimizer(model, adamw(6e-4, weight_decay=0.1), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    state = jax.device_put(state, replicated)  # one device: a plain copy; several: a replica each
-    data = [tuple(jax.device_put(a.astype(np.int32), rows_sharded) for a in xy) for xy in batches]
-    accum, B = rung["accum"], batches[0][0].shape[0]
-    micro_rows = B // accum // world  # per device
-    act = saved_for_backward_bytes(model, *(jnp.asarray(a[:micro_rows].astype(np.int32)) for a in batches[0]))
-    del model, optimizer  # the step owns the state now (donation would invalidate their arrays)
-    compile_s, xla_bytes = 0.0, None
+    if not rung["jit"]:
+        return step, state, data, r, {}
+    same = ["name", "why", "keep", "builds_on", "steps_per_sync"]  # Python only: one program
+    if not run.gpu:  # a CPU ignores the GPU-only settings: the same program again
+        same += ["precision", "triton_gemm", "cublaslt"]
+    program = {k: v for k, v in rung.items() if k not in same}
+    if run.compiled[0] != program:
+        print("   compiling the whole step with XLA (~5-60 s on a GPU; fp32 autotunes longest)")
+        options = dict(xla_gpu_autotune_level=4, xla_gpu_enable_triton_gemm=rung["triton_gemm"])
+        if rung["cublaslt"]:  # named only where used: an XLA without the option fails one rung
+            options["xla_gpu_enable_cublaslt"] = True
+        start = time.perf_counter()  # (autotune level 4: XLA's default, off for the un-jitted)
+        jitted = jax.jit(step, donate_argnums=(0,) if rung["donate"] else ())
+        run.compiled = (program, jitted.lower(state, *data[0]).compile(options))
+        r["compile_s"] = time.perf_counter() - start
+    step = run.compiled[1]
+    mem = step.memory_analysis()  # XLA's plan per device: inputs, outputs, scratch
+    r["xla_step_bytes"] = mem and int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                      - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+    ops = re.findall(r'^\s*(?:ROOT )?%?([\w.-]+) = [^\n]*?op_name="([^"]*)"', step.as_text(), re.M)
+    return step, state, data, r, dict(ops)  # each XLA op's JAX path, for the profile
+
+def train(rung, run, calls):
+    """One untimed call, `calls` timed (NVML's energy around them), one profiled; a call is
+    `steps_per_sync` steps, then Python waits for the device."""
+    per_call = rung["steps_per_sync"]
     with jax.default_matmul_precision(rung["precision"]):
-        if rung["jit"]:
-            t0 = time.perf_counter()
-            jitted = make_train_step(graphdef, donate=rung["donate"]) if accum == 1 else \
-                jax.jit(accumulating_step(graphdef, accum), donate_argnums=(0,) if rung["donate"] else ())
-            options = None if rung["triton_gemm"] else {"xla_gpu_enable_triton_gemm": False}
-            step = jitted.lower(state, *data[0]).compile(options)  # compile once, ahead of the clock
-            compile_s = time.perf_counter() - t0
-            mem = step.memory_analysis()  # XLA's plan for one device: inputs + outputs + scratch
-            if mem is not None:
-                xla_bytes = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-        else:
-            step = accumulating_step(graphdef, accum, jitted=False)  # each jnp op dispatched on its own
-        warmup = 1
-        slow = not (rung["jit"] and rung["bf16"])  # fp32 rungs take seconds per step: fewer steps
-        n_steps = max(args.check_step, warmup + (args.eager_steps if slow else args.steps))
-        times, losses, pending = [], [], []  # pending: losses still on the device
-        t0 = time.perf_counter()
-        for i in range(n_steps):
-            loss, state = step(state, *data[i])
-            pending.append(loss)
-            # Python waits for the device after every step, or (no host sync) after a window of
-            # steps; each step of a window is charged the window's mean
-            if rung["host_sync"] or i < warmup or (i + 1 - warmup) % WINDOW == 0 or i == n_steps - 1:
-                jax.block_until_ready(state)  # the AdamW update too, not just the loss
-                losses += [float(v) for v in pending]
-                t1 = time.perf_counter()
-                times += [(t1 - t0) / len(pending)] * len(pending); pending, t0 = [], t1
-    del state, step
-    jax.clear_caches()  # drop this rung's executables and buffers before the next rung allocates
-    stats = jax.devices()[0].memory_stats()  # None on a CPU
-    timed = np.array(times[warmup:])
-    ms = float(np.median(timed)) * 1e3
-    return dict(name=rung["name"], settings={k: v for k, v in rung.items() if k not in ("name", "why")},
-                why=rung["why"], world_size=world, micro_batch=B // accum // world, accum_steps=accum,
-                tokens_per_step=int(batches[0][0].size), steps=n_steps, warmup_steps=warmup, timed_steps=len(timed),
-                ms_per_step=ms, ms_min=float(timed.min()) * 1e3, ms_max=float(timed.max()) * 1e3,
-                first_step_s=times[0], compile_s=compile_s,
-                tokens_per_s=batches[0][0].size / (ms / 1e3), losses=losses, loss=losses[args.check_step - 1],
-                peak_mem_bytes=stats.get("peak_bytes_in_use") if stats else None,
-                xla_step_bytes=xla_bytes, activation_bytes=act,
-                activation_source="counted: jax.vjp residuals of one micro-batch forward (jax.eval_shape)")
+        step, state, data, r, op_paths = build(rung, run, (calls + 2) * per_call)
+    losses, seconds, holder = [], [], [state]
+    del state  # the holder keeps the only reference: a donated buffer is updated in place
 
+    def window():
+        start = time.perf_counter()
+        with jax.default_matmul_precision(rung["precision"]):  # un-jitted: applies per op
+            for _ in range(per_call):
+                loss, holder[0] = step(holder[0], *data[len(losses) % len(data)])
+                losses.append(loss)
+            jax.block_until_ready(holder[0])  # Python waits: the AdamW update too, not the loss
+        seconds.append(time.perf_counter() - start)
 
-# ---------------------------------------------------------------------------------------
+    window()
+    meter = energy_meter(run.devices[:r["world_size"]])
+    joules = meter and meter()
+    median, fastest, slowest = (t / per_call * 1e3 for t in bench(window, None, calls, warmup=0))
+    if meter:
+        r["joules"] = meter() - joules
+        r["tokens_per_joule"] = calls * per_call * run.tokens_per_step / r["joules"]
+    try:
+        r["profile"] = device_time(window, per_call, op_paths, r["world_size"])
+    except Exception as e:  # a profiler this jax version or device cannot run, or read
+        r["profile"] = dict(ms={}, step_ms=0.0, binds="n/a", regime=f"no profile: {e}"[:200])
+    r.update(ms_per_step=median, ms_min=fastest, ms_max=slowest, first_call_s=seconds[0],
+             losses=[float(v) for v in losses], seconds=seconds, timed_steps=calls * per_call,
+             peak_mem_bytes=(run.devices[0].memory_stats() or {}).get("peak_bytes_in_use"))
+    return r
 
-def model_config(args, preset, **overrides):
-    quick = dict(n_layer=2, block_size=64) if args.quick else {}  # --quick: 2 layers, T=64
-    return GPTConfig.preset(preset, **quick, **overrides)
+def measure(rung, run, base):
+    """One rung: trained, timed, profiled, and derived against `base` (the first rung that ran)."""
+    print(f"== {rung['name']}: {rung['why']}", flush=True)
+    r = dict(name=rung["name"], builds_on=rung["builds_on"], kept=rung["keep"], settings=rung,
+             tokens_per_step=run.tokens_per_step)
+    if rung["shard"] and (len(run.devices) < 2 or run.batch % len(run.devices)):
+        return dict(r, skipped=f"{len(run.devices)} device(s) for {run.batch} rows (a CPU can "
+                    "simulate 4: XLA_FLAGS=--xla_force_host_platform_device_count=4)")
+    if not rung["jit"]:
+        print("   first step: JAX compiles each jnp op on first use (~250 programs, 10-60 s)")
+    steps = run.steps
+    if not rung["bf16"]:  # fp32 rungs: seconds a step on a GPU
+        steps = run.slow_steps
+    try:
+        r.update(train(rung, run, max(1, steps // rung["steps_per_sync"])))
+    except Exception as e:  # out of memory (RESOURCE_EXHAUSTED), or an option this XLA lacks
+        return dict(r, failed=f"{type(e).__name__}: {str(e)[:300]}")
+    finally:  # a GPU frees this rung's programs before the next allocates (a CPU keeps its
+        if run.gpu:  # small one-op programs: the next rung would compile them again)
+            jax.clear_caches()
+    base = base or r
+    r["tokens_per_s"] = run.tokens_per_step / r["ms_per_step"] * 1e3
+    r["loss"] = r["losses"][run.check_step - 1]
+    flops = run.flops_per_token * r["tokens_per_s"] / r["world_size"]  # per device
+    r.update(speedup=r["tokens_per_s"] / base["tokens_per_s"], mfu_measured_peak=flops / run.peak,
+             mfu_datasheet=run.datasheet and flops / run.datasheet,
+             loss_rel_diff=abs(r["loss"] - base["loss"]) / base["loss"],
+             step_mem_bytes=r.get("xla_step_bytes") or r["peak_mem_bytes"])
+    r["fits_24gb"] = r["step_mem_bytes"] and r["step_mem_bytes"] <= FITS_BYTES
+    impossible = [r["ms_max"] - r["ms_min"] > r["ms_per_step"], (r["mfu_datasheet"] or 0) > 1,
+                  r["mfu_measured_peak"] > 1.1]  # a spread wider than the median, or > the peak
+    r["unreliable"] = "unreliable (machine busy)" if any(impossible) else ""
+    return r
 
+# --- Reporting: the table, the checks, the figure.
 
-def setup(args, gpu):
-    preset = args.preset or ("gpt2" if gpu else "tiny")
-    T = model_config(args, preset).block_size
-    tokens, tokenizer = load_tokens(args.data)
-    print(f"data: {len(tokens):,} tokens ({tokenizer}), {args.batch} x {T} = {args.batch * T:,} tokens per step")
-    batches = [get_batch(tokens, s, args.batch, T, args.seed)
-               for s in range(max(args.check_step, 2 + max(args.steps, args.eager_steps)))]
-    torch.manual_seed(args.seed)  # 07_capstone_torch's init (vocab 50304; GPT-2's 50257 rows are its prefix)
-    init_state = TorchGPT(model_config(args, preset, vocab_size=50304)).state_dict()
-    return preset, init_state, batches, tokenizer
+COLUMNS = [("ms/step", "ms_per_step", ".1f"), ("tokens/s", "tokens_per_s", ",.0f"),
+           ("speed-up", "speedup", ".2f"), ("MFU(ds)", "mfu_datasheet", ".1%"),
+           ("MFU(ms)", "mfu_measured_peak", ".1%"), ("GiB/step", "step_mem_gib", ".1f"),
+           ("24GB", "fits_24gb", ""), ("tokens/J", "tokens_per_joule", ",.0f"),
+           ("compile", "compile_s", ".1f"), ("loss", "loss", ".4f"),
+           ("d(loss)", "loss_rel_diff", ".2%")]
 
+def print_table(run, rungs):
+    """One row per rung: the measured and derived numbers, what binds, the unreliable ones."""
+    print(f"\n{'rung':36s}" + "".join(f"{title:>10s}" for title, _, _ in COLUMNS) + "  binds")
+    for r in rungs:
+        r = dict(r, step_mem_gib=(r.get("step_mem_bytes") or math.nan) / 2**30)
+        cells = [format(r[k], spec) if r.get(k) is not None else "n/a" for _, k, spec in COLUMNS]
+        if "tokens_per_s" not in r:
+            cells = [r.get("skipped") or "FAILED: " + r["failed"]]
+        print(f"{r['name']:36s}" + "".join(f"{c:>10s}" for c in cells),
+              r.get("profile", {}).get("binds", ""), r.get("unreliable", ""))
+    print(f"(measured: ms/step, tokens/s, tokens/J (NVML), compile s, binds (profiler), step mem "
+          f"(per device: XLA's compiled step; un-jitted: the peak); derived: speed-up, MFU, "
+          f"24GB (fits {FITS_BYTES / 2**30:.0f} GiB), loss at step {run.check_step} vs the first)\n"
+          f"interconnect: {run.args.interconnect}; NCCL reports {nccl_transport()} (NCCL joins "
+          f"GPUs only: on a CPU the flag changes nothing)")
 
-def plot(rungs, path):
+def summarise(run, rungs):
+    """The checks (correctness only: timing never decides the exit code), and each mode's ratio."""
+    ran = {r["name"]: r for r in rungs if "tokens_per_s" in r}
+    saved = {name: r.get("activation_bytes") for name, r in ran.items()}
+    checks = dict(
+        kept_rungs_ran=all(r["name"] in ran for r in rungs if r["kept"] and not r["settings"]["shard"]),
+        last_rung_ran_or_said_why=rungs[-1]["name"] in ran or "skipped" in rungs[-1],
+        losses_track_baseline=all(r["loss_rel_diff"] <= TOLERANCE for r in ran.values()),
+        checkpointing_lowers_activation_memory=all(  # fewer bytes kept than the rung before
+            saved.get(r["name"], math.inf) < (saved.get(r["builds_on"]) or 0)
+            for r in rungs if r["settings"]["checkpoint"]),
+        accumulated_gradient_equals_full_batch=run.accumulation_error <= ACCUM_TOLERANCE)
+    result = dict(rungs=rungs, checks=checks)
+    if run.args.scaling and len(ran) == 2:
+        one, sharded = rungs
+        result["scaling"] = sharded["tokens_per_s"] / sharded["world_size"] / one["tokens_per_s"]
+        print(f"scaling (derived): {result['scaling']:.1%} of {sharded['world_size']} x one "
+              f"device's tokens/s" + " (simulated CPU devices share the same cores)" * (not run.gpu))
+    if run.args.headline and len(ran) == 2:  # the same steps, from the same init and batches
+        first, final = (np.array(r["losses"]) for r in rungs)
+        result["headline"] = dict(loss_gap=float(np.max(np.abs(final - first) / first)),
+                                  time_ratio=rungs[1]["speedup"], tolerance=HEADLINE_TOLERANCE,
+                                  steps=len(first), batch=run.batch)
+        checks["headline_losses_agree"] = result["headline"]["loss_gap"] <= HEADLINE_TOLERANCE
+        print(f"largest relative loss gap over the {len(first)} steps (derived): "
+              f"{result['headline']['loss_gap']:.2%} (tolerance {HEADLINE_TOLERANCE:.0%}); the "
+              f"final rung's step is {rungs[1]['speedup']:.1f}x faster (derived)")
+    return result
+
+def save_figure(result, out):
+    """The headline's loss against step and time, or the waterfall over where each step goes."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return print("figure skipped (no matplotlib)")
-    done = [r for r in rungs if "tokens_per_s" in r]
-    base = done[0]["tokens_per_s"]
-    fig, ax = plt.subplots(figsize=(11, 5))
-    bars = ax.bar(range(len(done)), [r["tokens_per_s"] for r in done],
-                  color=["tab:red" if r["settings"]["checkpoint"] else "tab:green" for r in done])
-    for bar, r in zip(bars, done):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['tokens_per_s'] / base:.1f}x\n{r['ms_per_step']:.0f} ms",
-                ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(done)), [r["name"] for r in done], rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s (measured)"); ax.set_ylim(0, 1.2 * max(b.get_height() for b in bars))
-    ax.set_title("07_capstone_jax: the waterfall (cumulative speed-up over un-jitted fp32; red = costs time)")
-    fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
-    print(f"figure: {path}")
+    ran, name = [r for r in result["rungs"] if "tokens_per_s" in r], "07_capstone_jax.png"
+    if "headline" in result:
+        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for r in ran:
+            by_step.plot(r["losses"], label=r["name"])
+            by_time.plot(np.cumsum(r["seconds"]), r["losses"], label=r["name"])
+        by_step.set(xlabel="optimizer step", ylabel="loss (measured)")
+        by_time.set(xlabel="wall-clock seconds (measured)", xscale="log")
+        by_step.legend()
+        fig.suptitle(f"the same loss curve, {result['headline']['time_ratio']:.0f}x apart in "
+                     "time (baseline: the first jitted rung, fp32 matmuls)")
+        name = "07_capstone_jax_headline.png"
+    else:
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 9), sharex=True)
+        names, stacked = [r["name"] for r in ran], np.zeros(len(ran))
+        top.bar(names, [r["tokens_per_s"] for r in ran])
+        top.set(ylabel="tokens/s (measured)", title="07_capstone_jax: the waterfall")
+        for kind in REGIME:  # every fix moves the bottleneck
+            share = np.array([r["profile"]["ms"].get(kind, 0) / max(r["profile"]["step_ms"], 1e-9)
+                              for r in ran])
+            bottom.bar(names, share, bottom=stacked, label=kind)
+            stacked += share
+        bottom.set(ylabel="share of a step (measured, profiler)", title="where a step's time goes")
+        bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
+        bottom.tick_params(axis="x", rotation=25, labelsize=8)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    tmp = Path(out) / f"{name}.tmp{os.getpid()}.png"
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, Path(out) / name)
+    print(f"figure: {Path(out) / name}")
 
+# --- Command line, set-up, and the run.
 
-def compare_with_torch(path, final, preset, tokens_per_step):
-    """The target: the final single-device rung reaches >= 90% of the torch capstone's tokens/s."""
-    if not path or not Path(path).exists():
-        return dict(torch_json=path, torch_tokens_per_s=None, ratio_to_torch=None, ratio_target=0.9)
-    t = json.loads(Path(path).read_text())
-    rung = next((r for r in t["rungs"] if r["name"] == t["targets"]["best_single_device_rung"]), {})
-    same = t["preset"] == preset and t["tokens_per_step"] == tokens_per_step
-    ratio = final["tokens_per_s"] / rung["tokens_per_s"] if same and "tokens_per_s" in rung and "tokens_per_s" in final else None
-    return dict(torch_json=path, torch_rung=rung.get("name"), torch_tokens_per_s=rung.get("tokens_per_s"),
-                same_config=same, ratio_to_torch=ratio, ratio_target=0.9)
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
 
+def check_outputs(args):
+    """Refuse unusable output paths before the work, not after it."""
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).parent.resolve().is_dir()):
+        sys.exit(f"error: --json {args.json}: not a file in an existing folder")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        sys.exit(f"error: --out {args.out}: exists and is not a folder")
 
-def main():
+def write_json(path, result):
+    """Write atomically: a temporary file, then a rename (never a half-written file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+def use_interconnect(name):
+    """Before the process group starts. 'staged' turns NCCL's peer-to-peer off, so every
+    GPU-to-GPU byte goes through host memory, as on a PCIe box without P2P. NCCL's own log
+    (NCCL_DEBUG=INFO, into a file per process) then says which transport it chose."""
+    if name == "staged":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_FILE", f"{tempfile.gettempdir()}/nccl-{os.getpid()}.log")
+
+def nccl_transport():
+    """The transports NCCL's log names once a collective has run (e.g. P2P/CUMEM/read, or
+    SHM/direct/direct when staged through host memory)."""
+    try:
+        text = Path(os.environ["NCCL_DEBUG_FILE"]).read_text()
+    except (KeyError, OSError):
+        return "not reported"
+    return ", ".join(sorted(set(re.findall(r" via (\S+)", text)))) or "not reported"
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="every rung for two steps (tests)")
+    p.add_argument("--quick", action="store_true", help="a toy model, a step or two per rung")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--json", help="write every number here")
     p.add_argument("--out", default="out", help="figure folder")
-    p.add_argument("--data", help="a text file (default: the Python standard library's sources)")
-    p.add_argument("--preset", choices=["gpt2", "gpt2-medium", "tiny"], help="default: gpt2 on GPU, tiny on CPU")
-    p.add_argument("--batch", type=int, help="sequences per optimizer step (default 64 GPU, 8 CPU, 4 quick)")
-    p.add_argument("--steps", type=int, help="timed steps of the jitted bf16 rungs (default 20 GPU, 3 CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--torch-json", help="07_capstone_torch.py's --json, to report the ratio to torch")
-    args = p.parse_args()
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python standard library)")
+    p.add_argument("--batch", type=positive_int, help="sequences per step, a multiple of 4")
+    p.add_argument("--steps", type=positive_int, help="timed steps per rung (GPU: 20 bf16, 2 fp32)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--headline", action="store_true", help="first jitted vs final rung")
+    mode.add_argument("--scaling", action="store_true", help="the final rung, alone and sharded")
+    p.add_argument("--interconnect", choices=["default", "staged"], default="default",
+                   help="staged: NCCL without peer-to-peer, GPU bytes through host memory")
+    args = p.parse_args(argv)
+    if args.batch is not None and args.batch % 4:
+        p.error(f"--batch: {args.batch} is not a multiple of 4 (the early rungs' micro-batches)")
+    check_outputs(args)
+    return args
+
+def setup(args):
+    """Start the backend (its flags first), read the data, draw torch's initial weights."""
     if args.device == "cpu":
         jax.config.update("jax_platforms", "cpu")
-        if args.quick:  # a smoke test is all compile: XLA's CPU backend at -O0 (timings not meaningful)
-            os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    try:
-        devices = jax.devices()  # the backend starts here (after XLA_FLAGS are final)
-    except RuntimeError as e:
-        sys.exit(f"--device {args.device}: JAX found no usable backend ({e}); run with --device cpu")
+    flags = "--xla_gpu_autotune_level=0"  # the un-jitted rung's ~250 one-op programs: no tuning
+    if args.quick and args.device == "cpu":  # a smoke test is all compile: XLA:CPU at its fastest
+        flags += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    os.environ["XLA_FLAGS"] = f"{flags} {os.environ.get('XLA_FLAGS', '')}"  # the reader's win
+    devices = jax.devices()  # the backend starts here
     gpu = devices[0].platform == "gpu"
     if args.device == "cuda" and not gpu:
-        sys.exit("--device cuda: JAX sees no CUDA GPU (jax[cuda] installed?); run with --device cpu")
-    args.batch = args.batch or (4 if args.quick else 64 if gpu else 8)
-    args.steps = args.steps or (1 if args.quick else 20 if gpu else 3)
-    args.eager_steps = 1 if args.quick else 3
-    args.check_step = 2 if args.quick else 4  # the step at which every rung's loss is compared
-    if args.batch % 4:
-        sys.exit("--batch must be a multiple of 4 (the early rungs accumulate 4 micro-batches)")
-    wall0 = time.perf_counter()
-    name = devices[0].device_kind if gpu else (platform.processor() or platform.machine())
-    stats = devices[0].memory_stats()
-    mem = (stats or {}).get("bytes_limit")
-    print(f"device: {len(devices)} x {name}" + (f", {mem / 2**30:.0f} GiB JAX memory-pool limit (bytes_limit, not the card's memory)" if mem else f", {os.cpu_count()} cores")
-          + f" | jax {jax.__version__} | python {platform.python_version()}")
-    preset, init_state, batches, tokenizer = setup(args, gpu)
-    cfg = model_config(args, preset, vocab_size=50257)
-    fpt = flops_per_token(cfg)  # model FLOPs of GPT-2 as shipped: padded rows are not useful work
-    peaks = dict(datasheet_bf16=datasheet_bf16_peak(name) if gpu else None,  # reference: datasheet
-                 measured_bf16_matmul=measured_matmul_peak(jnp.bfloat16, 8192 if gpu else 512),
-                 measured_fp32_matmul=None if gpu else measured_matmul_peak(jnp.float32, 512))
-    # MFU's second denominator: this machine's own matmul peak, the faster of bf16 and fp32
-    # (a CPU without bf16 units runs fp32 matmuls faster, and is then judged against fp32)
-    measured_peak = max(peaks["measured_bf16_matmul"], peaks["measured_fp32_matmul"] or 0)
-    attn_impl, attn_probe = pick_attention(gpu)
-    print(f"model: {preset}{' (quick: 2 layers, T=64)' if args.quick else ''}, T={cfg.block_size}, "
-          f"flops_per_token = 6N + 12LTd = {fpt / 1e6:.1f} MFLOP (derived) | peaks: datasheet bf16 "
-          + (f"{peaks['datasheet_bf16'] / 1e12:.0f}" if peaks['datasheet_bf16'] else "n/a (unknown device)") + " TFLOP/s (reference), "
-          f"measured bf16 matmul {peaks['measured_bf16_matmul'] / 1e12:.3g} TFLOP/s"
-          + (f", fp32 {peaks['measured_fp32_matmul'] / 1e12:.3g}" if peaks["measured_fp32_matmul"] else "")
-          + f" | fused attention: {attn_impl}" + (f" (probe, measured fwd+bwd ms: {attn_probe})" if attn_probe else ""))
-    print("baseline matmul precision: full fp32 (jax.default_matmul_precision('highest'); JAX's default "
-          "would be TF32 on a GPU)" + ("" if gpu else "; on a CPU TF32 does not exist, so that rung changes nothing"))
-    rungs = []
-    for rung in RUNGS:
-        print(f"\n== {rung['name']}\n   why: {rung['why']}", flush=True)
-        n = len(jax.devices())
-        try:
-            if rung["shard"] and n < 2:
-                r = dict(name=rung["name"], skipped="one device: nothing to shard over (on a CPU, simulate "
-                         "several: XLA_FLAGS=--xla_force_host_platform_device_count=4)")
-            elif rung["shard"] and args.batch % n:
-                r = dict(name=rung["name"], skipped=f"--batch {args.batch} does not split over {n} devices")
-            else:
-                try:
-                    r = train_rung(rung, args, preset, init_state, batches, attn_impl)
-                except Exception as e:  # out of memory is not an attention failure: no retry
-                    if not (rung["attn"] == "sdpa" and attn_impl == "cudnn") or "RESOURCE_EXHAUSTED" in str(e):
-                        raise
-                    print(f"   cuDNN attention failed in the step ({type(e).__name__}): retrying this rung with XLA's")
-                    r = train_rung(rung, args, preset, init_state, batches, "xla")  # this rung only
-                    r["attention_fallback"] = "xla (cudnn failed on this rung)"
-        except Exception as e:  # one rung failing must not lose the others
-            oom = "RESOURCE_EXHAUSTED" in str(e)
-            r = dict(name=rung["name"], failed=("does not fit (out of memory): " if oom else "")
-                     + f"{type(e).__name__}: {str(e)[:400]}")
-        if "tokens_per_s" in r:
-            per_device = r["tokens_per_s"] / r["world_size"]
-            r["mfu_datasheet"] = fpt * per_device / peaks["datasheet_bf16"] if peaks["datasheet_bf16"] else None
-            r["mfu_measured_peak"] = fpt * per_device / measured_peak
-            r["speedup"] = r["tokens_per_s"] / rungs[0]["tokens_per_s"] if rungs and "tokens_per_s" in rungs[0] else 1.0
-            print(f"   measured: {r['ms_per_step']:.1f} ms/step (min {r['ms_min']:.1f}, max {r['ms_max']:.1f}), "
-                  f"{r['tokens_per_s']:,.0f} tokens/s, compile {r['compile_s']:.1f} s, "
-                  f"first step {r['first_step_s']:.1f} s, loss {r['loss']:.4f}")
-        else:
-            print(f"   {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('failed')}")
-        rungs.append(r)
+        sys.exit("error: --device cuda: JAX sees no CUDA GPU (jax[cuda] installed?)")
+    config = CONFIGS[("cpu", "gpu")[gpu]]
+    if args.quick:
+        config = CONFIGS["quick"]
+    run = SimpleNamespace(args=args, gpu=gpu, devices=devices, attention="xla",
+                          compiled=(None, None), **config)
+    if args.headline:  # both rungs train every step: 1 untimed, the timed, 1 profiled
+        run.batch, run.steps, run.slow_steps = run.head_batch, run.head_steps, run.head_steps
+    if args.batch is not None:
+        run.batch = args.batch
+    if args.steps is not None:
+        run.steps = run.slow_steps = args.steps
+    run.config = lambda **kw: GPTConfig.preset(run.preset, **run.model, **kw)
+    tokens, run.tokenizer = load_tokens(args.data, run.config().block_size + 2)
+    run.tokens = tokens % run.vocab[0]  # unchanged, except --quick's BPE ids: folded into 8193
+    run.tokens_per_step = run.batch * run.config().block_size
+    run.flops_per_token = flops_per_token(run.config(vocab_size=run.vocab[0]))
+    run.name, run.datasheet = platform.processor() or platform.machine(), None
+    if gpu:
+        run.name = devices[0].device_kind
+        run.datasheet = datasheet_bf16_peak(run.name)  # reference: the datasheet
+    torch.manual_seed(0)  # 07_capstone_torch's init; GPT-2's rows are its prefix
+    run.init_state = TorchGPT(run.config(vocab_size=run.vocab[1])).state_dict()
+    with contextlib.suppress(Exception):  # cuDNN's fused attention where jaxlib runs it (GPU)
+        q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+        jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn")
+        run.attention = "cudnn"
+    return run
 
-    # the math did not change: every rung's loss at the common step tracks the baseline's
-    base = rungs[0].get("loss")
-    tol = 0.005  # bf16 keeps 8 mantissa bits (rounding 2^-9 ~ 0.2% per value, averaged over the
-    #              loss's sums); a few steps from the same init on the same batches amplify it to
-    #              ~0.1% (measured: <= 0.08% on an H200, 0.01% on a CPU); a real bug (wrong mask,
-    #              lost gradient, wrong accumulation) moves the loss by far more than 0.5%
-    for r in rungs:
-        if "loss" in r and base:
-            r["loss_rel_diff"] = abs(r["loss"] - base) / base
-    done = [r for r in rungs if "tokens_per_s" in r]
-    ck = next(i for i, r in enumerate(rungs) if r["name"].startswith("+ activation checkpointing"))
-    checks = {
-        "all_single_device_rungs_ran": all("tokens_per_s" in r for r in rungs[:-1]),
-        "last_rung_ran_or_skipped_with_reason": "tokens_per_s" in rungs[-1] or bool(rungs[-1].get("skipped")),
-        "losses_track_baseline": bool(base) and all(r.get("loss_rel_diff", 1) <= tol for r in done),
-        "checkpointing_lowers_activation_memory": "activation_bytes" in rungs[ck] and "activation_bytes" in rungs[ck - 1]
-                                                  and rungs[ck]["activation_bytes"] < rungs[ck - 1]["activation_bytes"],
-    }
-    final = rungs[ck - 1]  # best single-device configuration: checkpointing is the detour after it
-    targets = dict(final_single_device_rung=final["name"], mfu_datasheet=final.get("mfu_datasheet"),
-                   speedup=final.get("speedup"),
-                   **compare_with_torch(args.torch_json, final, preset, int(batches[0][0].size)))
-
-    print(f"\n{'rung':38s} {'ms/step':>9s} {'tokens/s':>11s} {'speed-up':>8s} {'MFU(ds)':>8s} {'MFU(meas)':>9s} "
-          f"{'peak mem':>9s} {'XLA mem':>8s} {'act mem':>8s} {'loss':>8s} {'d(loss)':>8s}")
-    gib = lambda b: f"{b / 2**30:.2f}G" if b else "n/a"
-    for r in rungs:
-        if "tokens_per_s" not in r:
-            print(f"{r['name']:38s} {r.get('skipped') or r.get('failed')}"); continue
-        mfu = f"{r['mfu_datasheet']:.1%}" if r["mfu_datasheet"] else "n/a"
-        print(f"{r['name']:38s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:11,.0f} {r['speedup']:7.2f}x "
-              f"{mfu:>8s} {r['mfu_measured_peak']:9.1%} {gib(r['peak_mem_bytes']):>9s} {gib(r['xla_step_bytes']):>8s} "
-              f"{gib(r['activation_bytes']):>8s} {r['loss']:8.4f} {r['loss_rel_diff']:8.2%}")
-    print(f"(measured: ms, tokens/s; peak mem = memory_stats peak_bytes_in_use, the process's high-water mark "
-          f"(JAX cannot reset it{'' if gpu else '; n/a on a CPU'}); XLA mem = the compiled step's inputs + outputs + "
-          f"scratch per device (XLA's memory analysis; n/a un-jitted); act mem = bytes jax.vjp saves for backward "
-          f"(counted by tracing); derived: speed-up, MFU; loss compared at step {args.check_step}, tolerance {tol:.1%})")
-    ratio = targets["ratio_to_torch"]
-    print(f"targets: final single-device rung '{final['name']}': MFU {format(targets['mfu_datasheet'] or 0, '.1%') if targets['mfu_datasheet'] else 'n/a'} "
-          f"of the datasheet peak, {format(targets['speedup'] or 0, '.1f') if targets['speedup'] else 'n/a'}x the un-jitted baseline; "
-          + (f"{ratio:.0%} of torch's tokens/s (target 90%)" if ratio else "vs torch: pass --torch-json (same config)"))
-    for k, v in checks.items():
-        print(f"check {k}: {'ok' if v else 'FAILED'}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(rungs, Path(args.out) / "07_capstone_jax.png")
-    wall = time.perf_counter() - wall0
-    print(f"wall time: {wall:.0f} s")
+def main():
+    args = parse_args()
+    use_interconnect(args.interconnect)  # before JAX starts its backend (and NCCL)
+    start, run = time.perf_counter(), setup(args)
+    pool = (run.devices[0].memory_stats() or {}).get("bytes_limit", 0) / 2**30
+    print(f"device: {len(run.devices)} x {run.name}, {pool:.0f} GiB JAX pool (0: a CPU) | jax "
+          f"{jax.__version__} | data: {len(run.tokens):,} tokens ({run.tokenizer})")
+    run.accumulation_error, dtype = accumulation_error(), (jnp.float32, jnp.bfloat16)[run.gpu]
+    run.peak = burst_peak(run.probe_n, dtype)
+    print(f"accumulation: 4 micro-batches' gradient vs the full batch's, relative error (measured) "
+          f"{run.accumulation_error:.1e}, tolerance {ACCUM_TOLERANCE:.0e}\nmodel: {run.preset}, "
+          f"{run.tokens_per_step:,} tokens a step, 6N + 12LTd = {run.flops_per_token / 1e6:.1f} "
+          f"MFLOP a token (derived) | peak: dense bf16 {(run.datasheet or 0) / 1e12:.0f} TFLOP/s "
+          f"(reference: datasheet; 0: unknown), {jnp.dtype(dtype).name} matmul "
+          f"{run.peak / 1e12:.3g} TFLOP/s (measured, burst) | attention: {run.attention}\n"
+          f"baseline: full fp32 matmuls ('highest'; JAX's default is TF32 on a GPU)")
+    rungs = RUNGS
+    if args.scaling:
+        rungs = [FINAL, RUNGS[-1]]
+    if args.headline:  # the chapter's opening claim: the same loss curve, ~10x apart in time
+        # PREDICTION: every step's loss within 3% (bf16 rounding only), the final rung ~10x faster
+        # on a GPU (fp32 units, unfused attention against bf16 tensor cores and cuDNN). Baseline:
+        # the first jitted rung, still full fp32 (the un-jitted one is too slow for 100 steps)
+        rungs = [dict(rung, steps_per_sync=1) for rung in (RUNGS[1], FINAL)]
+    measured = []
+    for rung in rungs:
+        base = next((r for r in measured if "tokens_per_s" in r), None)  # the first that ran
+        measured.append(measure(rung, run, base))
+    print_table(run, measured)
+    result = dict(lesson="07_capstone_jax", quick=args.quick, preset=run.preset,
+                  device=dict(name=run.name, count=len(run.devices), gpu=run.gpu),
+                  tokens_per_step=run.tokens_per_step, flops_per_token=run.flops_per_token,
+                  accumulation_rel_error=run.accumulation_error,
+                  peaks=dict(datasheet_bf16=run.datasheet, measured_matmul_burst=run.peak),
+                  loss_check=dict(step=run.check_step, rel_tolerance=TOLERANCE),
+                  **summarise(run, measured))
+    if not args.scaling:
+        save_figure(result, args.out)
+    for name, ok in result["checks"].items():
+        print(f"check {name}: {'ok' if ok else 'FAILED'}")
+    result["wall_s"] = time.perf_counter() - start
+    print(f"wall time: {result['wall_s']:.0f} s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(
-            lesson="07_capstone_jax", quick=args.quick,
-            device=dict(name=name, type="cuda" if gpu else "cpu", memory_bytes=mem, count=len(devices),
-                        jax=jax.__version__, python=platform.python_version()),
-            preset=preset, seq_len=cfg.block_size, tokens_per_step=int(batches[0][0].size), tokenizer=tokenizer,
-            flops_per_token=fpt, peaks=peaks, attention_probe=attn_probe, attention_impl=attn_impl,
-            mfu_definition="flops_per_token (6N + 12LTd, GPT-2 vocab 50257) x tokens/s per device / peak FLOP/s "
-                           "(datasheet dense bf16, or this run's measured matmul peak: the faster of bf16 and fp32)",
-            loss_check=dict(step=args.check_step, rel_tolerance=tol), rungs=rungs, targets=targets,
-            checks=checks, wall_s=wall), indent=1))
-    if not all(checks.values()):
-        sys.exit(1)
-
+        write_json(args.json, result)
+    Path(f"{tempfile.gettempdir()}/nccl-{os.getpid()}.log").unlink(missing_ok=True)  # ours only
+    if not all(result["checks"].values()):
+        sys.exit(f"error: check failed: {[k for k, ok in result['checks'].items() if not ok]}")
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,516 +1,637 @@
 """
-Section 13.7: the waterfall. GPT-2 124M taken down the whole method, one measured rung per
-technique, each kept for the rungs after it: fp32 eager -> TF32 -> bf16 autocast -> flash
-attention (SDPA) -> torch.compile -> fused AdamW -> vocab 50304 + the whole batch in one
-micro-step -> no host sync per step (the loss read every few steps) -> activation
-checkpointing (a detour: it costs time when memory does not bind, so
-it is measured and dropped again) -> DDP over every visible GPU. On a CPU without bf16 units the
-bf16 rung is measured and dropped the same way (its matmuls are 10-20x slower there). Every rung trains from the same
-init on the same batches with the same tokens per step (65,536 on a GPU, via gradient
-accumulation where the micro-batch is smaller), so the math never changes, only the speed:
-each rung's loss at a common step must track the fp32 baseline's.
+Section 13.7: the waterfall. GPT-2 124M down the chapter's method, one measured rung per technique
+(RUNGS), each kept for the rungs after it, all from one init on the same batches: the speed
+changes, the losses must not. After each rung torch.profiler splits a step by kernel class.
 
-    python 07_capstone_torch.py                  # one GPU: gpt2 (124M, T=1024), ~4-5 min with compiles
-    python 07_capstone_torch.py                  # several GPUs: the last rung runs itself under torchrun
-    python 07_capstone_torch.py --device cpu     # the tiny preset, a few minutes on 2 cores
-    python 07_capstone_torch.py --quick          # every rung for a couple of steps (tests)
+    python 07_capstone_torch.py               # one GPU: gpt2 (124M, T=1024), ~3 min
+    python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps each, ~2 min
+    OMP_NUM_THREADS=8 torchrun --standalone --nproc_per_node=2 07_capstone_torch.py
+        [--interconnect staged]               # each GPU the final rung alone, then DDP
+    python 07_capstone_torch.py --device cpu  # the tiny preset, ~2.5 min on 2 cores
+    python 07_capstone_torch.py --quick       # a step or two per rung (the tests; or --headline)
 
-Per rung it prints ms/step (median of the timed steps; compile time separately), tokens/s,
-MFU = flops_per_token x tokens/s / peak (flops_per_token = 6N + 12LTd of GPT-2 as shipped, vocab
-50257; peak = the datasheet dense bf16 peak, and this run's measured bf16 matmul), peak memory,
-activation memory and the loss. Output: the table, out/07_capstone_torch.png, --json.
-Data: --data FILE, else the Python standard library's sources; GPT-2 BPE if tiktoken's files
-are cached locally, else UTF-8 bytes (no network needed). Tokenized once, cached in .cache/.
+One line per rung: ms/step, tokens/s, MFU (6N + 12LTd FLOPs per token of GPT-2 as shipped, over
+the datasheet bf16 peak and this chip's measured matmul peak), peak memory against a 24 GB card,
+tokens per joule (NVML), compile time, the loss gap, what binds. Figures in out/. Data: --data
+FILE (UTF-8 text), else the Python standard library's sources. Copy it with model_torch.py.
 """
 
-import argparse, gc, hashlib, json, os, platform, signal, subprocess, sys, sysconfig, tempfile, time
+import argparse, contextlib, gc, hashlib, json, logging, math, os, platform, re, statistics, sys
+import sysconfig, tempfile, time, warnings
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch._inductor.config
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
 
 from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak, flops_per_token
 
+BASELINE = dict(tf32=False, bf16=False, attn="manual", compile=False, fused=False, vocab=50257,
+                accum=4, host_sync=True, cudnn=False, checkpoint=False, ddp=False, bf16_grads=False)
+WARMUP = 2  # untimed steps of every rung: the first compiles, the second settles
+WINDOW = 5  # steps between host syncs once "no host sync per step" is on
+RUNGS = [  # (name, what it changes, the regime it targets and the prediction: printed first)
+    ("fp32 eager", {}, "baseline: full fp32 matmuls (TF32 off) leave the tensor cores idle; "
+     "~67 TFLOP/s fp32 on an H100/H200 against 989 bf16 (datasheet): expect < 7% MFU"),
+    ("+ TF32", dict(tf32=True), "compute-bound on the wrong units: TF32 runs fp32 matmuls on "
+     "tensor cores (495 TFLOP/s datasheet): 2-3x (build-nanogpt, A100: 1000 -> 333 ms)"),
+    ("+ bf16 autocast", dict(bf16=True), "tensor-core peak x2, activations /2, but eager adds "
+     "casts and manual attention stays fp32: 1.1-1.5x (build-nanogpt: 333 -> 300 ms)"),
+    ("+ flash attention (SDPA)", dict(attn="sdpa"), "bandwidth-bound: manual attention writes and "
+     "re-reads B*H*T*T scores per layer; SDPA's fused kernel (flash, or cuDNN's) does not: 1.2-2x"),
+    ("+ torch.compile", dict(compile=True), "bandwidth- and overhead-bound chains (LayerNorm, "
+     "GELU, residuals, casts, the loss) fuse into few kernels: 1.3-2x, plus compile time once"),
+    ("+ fused AdamW", dict(fused=True), "overhead: the foreach optimizer launches several "
+     "kernels per parameter group; fused is one pass over params, grads, moments: a few %"),
+    ("+ vocab 50304, 1 micro-step", dict(vocab=50304, accum=1), "50257 is odd: the largest "
+     "matmul's tiles leave a ragged edge, 50304 = 128 x 393 does not (nanoGPT: up to ~25%); one "
+     "4x larger micro-batch amortises fixed costs: 1.05-1.3x, more activation memory"),
+    ("+ no host sync per step", dict(host_sync=False), f"overhead: reading the loss every "
+     f"step makes the CPU wait for the GPU to drain; every {WINDOW} steps it runs ahead. A ~100 ms "
+     "step hides a gap < 1 ms: expect < 1% here, 0 on a CPU; it pays for steps of a few ms"),
+    ("+ cuDNN attention", dict(cudnn=True), "attention is the largest non-matmul class left: "
+     "cuDNN's fused attention (Hopper's own kernels) in place of PyTorch's default flash kernel: "
+     "a few ms per step on an H100/H200; no cuDNN on a CPU (dropped there)"),
+    ("+ activation checkpointing", dict(checkpoint=True), "a memory fix where memory does NOT "
+     "bind: recomputing each block's forward adds ~1/3 of its FLOPs: 20-30% SLOWER, then dropped"),
+    ("+ DDP", dict(ddp=True), "the same global batch split among N GPUs, the gradient all-reduce "
+     "overlapped with backward: over NVLink close to N x one GPU (scaling > 90%)"),
+    ("+ bf16 gradient all-reduce", dict(ddp=True, bf16_grads=True), "communication-bound on a "
+     "slow link: a DDP hook all-reduces bf16 gradients, half the bytes: ~0 over NVLink, a few % "
+     "staged"),
+]
+# Measure -> fix -> re-measure: a fix for a regime this device is not in is measured, then not
+# carried forward: checkpointing (memory does not bind here), and bf16 autocast on a CPU (no
+# bf16 matmul units: its bf16 matmuls run 10-20x slower than fp32).
+CLASSES = {  # class: (the regime it means, substrings of a kernel's (CPU: op's) name; first wins)
+    "communication": ("communication-bound", ("nccl", "gloo", "allreduce", "all_reduce", "c10d")),
+    "loss": ("bandwidth-bound", ("nll_loss", "nllloss", "log_softmax", "logsoftmax")),
+    "attention": ("attention-bound", ("flash", "fmha", "sdpa", "attention", "softmax")),
+    "matmul": ("compute-bound", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "addmm", "bmm")),
+    "optimizer": ("bandwidth-bound", ("adam", "multi_tensor_apply", "foreach")),
+    "norm+elementwise": ("bandwidth-bound", ("norm", "gammabeta", "elementwise", "gelu", "triton",
+                         "cpp_fused", "reduce", "copy", "memcpy", "memset", "fill", "add", "mul")),
+    "other": ("unclassified", ("",)),  # every other kernel
+    "idle": ("overhead-bound", ()),  # no kernel running: the device waits for the host
+}
+TOLERANCE = 0.005  # largest relative loss gap to the baseline over the waterfall's steps: bf16's
+# 8 mantissa bits (~0.2% per value) average out in the loss's sums; a real bug moves it far more
+HEADLINE_TOLERANCE = 0.03  # the same over 100 steps: rounding differences grow along a run
+ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: ~1e-6)
+FITS = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA context, libraries
+SIZES = dict(  # batch: sequences per step; steps: timed steps of a compiled / eager rung
+    cuda=dict(preset="gpt2", model={}, batch=64, steps=20, eager_steps=3,  # 124M, T=1024
+              headline_steps=100, headline_batch=32),  # the headline at half the batch
+    cpu=dict(preset="tiny", model=dict(block_size=128), batch=4, steps=2, eager_steps=2,
+             headline_steps=30, headline_batch=4),  # T=128: the slow bf16 rung ~30 s
+    quick=dict(preset="tiny", model=dict(n_layer=2, n_head=2, n_embd=32, block_size=16), batch=4,
+               steps=1, eager_steps=1, headline_steps=5, headline_batch=4))
+HEADER = (f"   {'rung':34s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} {'MFU(ds)':>7s} "
+          f"{'MFU(meas)':>9s} {'peak GiB':>8s} {'24 GB':>5s} {'tokens/J':>8s} {'compile':>7s} "
+          f"{'d(loss)':>7s}  binds: share of a profiled step\n   (measured: ms, tokens/s, peak "
+          "memory, tokens/J (NVML), compile, binds; derived: speed-up, MFU, d(loss) vs the base)")
 
-# ---------------------------------------------------------------------------------------
-# Data: real text, the same batches in both capstones (07_capstone_jax.py copies this block).
+# --- Data: real text, the same batches in both capstones (both files hold this block).
 
-def load_tokens(data=None, cache_dir=".cache", max_bytes=20_000_000):
-    """Token ids (np.uint16) of --data FILE, else the stdlib's *.py files (sorted, capped at
-    max_bytes); GPT-2 BPE if tiktoken's files are cached locally, else UTF-8 bytes (< 256)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [Path(data)] if data else sorted(p for p in root.rglob("*.py")
-                                             if "site-packages" not in p.parts and "dist-packages" not in p.parts)
-    chunks, size = [], 0
-    for f in files:
-        if size < max_bytes:
-            chunks.append(f.read_bytes()[: max_bytes - size]); size += len(chunks[-1])
-    raw = b"\n".join(chunks)
-    # tiktoken downloads GPT-2's BPE on first use and we have no network: use it only if cached
+def read_corpus(data, max_bytes=20_000_000):
+    """--data FILE, else the stdlib's *.py files (sorted, capped); a bad file: one line, exit 1."""
+    if data is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        skip = {"site-packages", "dist-packages"}  # installed packages are not the stdlib
+        files = sorted(p for p in root.rglob("*.py") if not skip & set(p.parts))
+        return b"\n".join(p.read_bytes() for p in files)[:max_bytes]
+    if not Path(data).is_file():
+        sys.exit(f"error: --data {data}: not a file")
+    raw = Path(data).read_bytes()[:max_bytes]
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(raw) - 3:  # not a multi-byte character cut by the cap
+            sys.exit(f"error: --data {data}: not UTF-8 text (byte {e.start} is {raw[e.start]:#x})")
+    return raw
+
+def load_tokens(data, min_tokens, cache_dir=".cache"):
+    """Token ids (uint16) and the tokenizer: GPT-2 BPE if tiktoken's files are cached (no network
+    to fetch them), else UTF-8 bytes (ids < 256). Tokenized once, cached atomically."""
+    raw = read_corpus(data)
     tk_cache = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
                 or os.path.join(tempfile.gettempdir(), "data-gym-cache"))
-    urls = [f"https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/{n}" for n in ("vocab.bpe", "encoder.json")]
-    bpe = all(os.path.exists(os.path.join(tk_cache, hashlib.sha1(u.encode()).hexdigest())) for u in urls)
+    url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    bpe = all(os.path.exists(os.path.join(tk_cache, hashlib.sha1(f"{url}{f}".encode()).hexdigest()))
+              for f in ("vocab.bpe", "encoder.json"))
     tokenizer = "gpt2-bpe" if bpe else "utf8-bytes"
     path = Path(cache_dir) / f"tokens-{tokenizer}-{hashlib.sha1(raw).hexdigest()[:16]}.npy"
-    if not path.exists():
-        if bpe:
-            import tiktoken
-            ids = tiktoken.get_encoding("gpt2").encode_ordinary(raw.decode("utf-8", errors="replace"))
-        else:
-            print("tokenizer: tiktoken's GPT-2 BPE files are not cached (no network): UTF-8 bytes, ids < 256, model vocab unchanged")
-            ids = np.frombuffer(raw, dtype=np.uint8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(path, np.asarray(ids, dtype=np.uint16))
-    return np.load(path), tokenizer
-
+    try:
+        return np.load(path), tokenizer
+    except (OSError, ValueError, EOFError):  # absent, or left unreadable: tokenize again
+        pass
+    if bpe:
+        import tiktoken
+        ids = tiktoken.get_encoding("gpt2").encode_ordinary(raw.decode("utf-8", errors="replace"))
+    else:
+        print("tokenizer: tiktoken's GPT-2 BPE files are not cached (no network): UTF-8 bytes")
+        ids = np.frombuffer(raw, dtype=np.uint8)
+    ids = np.asarray(ids, dtype=np.uint16)
+    if len(ids) < min_tokens:
+        sys.exit(f"error: --data {data}: {len(ids)} tokens, fewer than one batch's {min_tokens}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+    np.save(tmp, ids)
+    os.replace(tmp, path)  # a reader never sees a half-written cache, even after Ctrl-C
+    return ids, tokenizer
 
 def get_batch(tokens, step, batch_size, seq_len, seed=0):
-    """Batch number `step`: batch_size windows at offsets from a generator seeded by (seed, step)."""
-    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, size=batch_size)
-    w = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
-    return w[:, :-1], w[:, 1:]
+    """Batch number `step`, drawn by a generator seeded by (seed, step): the same in every rung."""
+    starts = np.random.default_rng([seed, step]).integers(0, len(tokens) - seq_len - 1, batch_size)
+    windows = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
+    return windows[:, :-1], windows[:, 1:]
 
+def positive_int(text):
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
 
-# ---------------------------------------------------------------------------------------
-# The rungs, in the order the section tells them. Each changes one thing and keeps the rest.
-# "why": the regime the rung targets and the prediction, printed before it is measured.
+def check_outputs(args):
+    """Refuse unusable output paths before the work, not after it."""
+    if args.json and (Path(args.json).is_dir() or not Path(args.json).parent.resolve().is_dir()):
+        sys.exit(f"error: --json {args.json}: not a file in an existing folder")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        sys.exit(f"error: --out {args.out}: exists and is not a folder")
 
-WINDOW = 5  # steps between host syncs once the rung "no host sync per step" is on
+def write_json(path, result):
+    """Write atomically: a temporary file, then a rename (never a half-written file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
-RUNGS = [
-    dict(name="fp32 eager", tf32=False, bf16=False, attn="manual", compile=False, fused=False,
-         vocab=50257, accum=4, host_sync=True, checkpoint=False, ddp=False,
-         why="baseline: full fp32 matmuls (TF32 off), so the tensor cores sit idle; ~51 TFLOP/s "
-             "(reference: the fp32 matmul ceiling measured on an H200, REFERENCES.md): expect < 5% MFU"),
-    dict(name="+ TF32", tf32=True,
-         why="compute-bound on the wrong units: TF32 routes fp32 matmuls to tensor cores (495 "
-             "TFLOP/s datasheet); expect 2-3x (build-nanogpt on an A100: 1000 -> 333 ms)"),
-    dict(name="+ bf16 autocast", bf16=True,
-         why="tensor-core peak doubles and activations halve; but eager adds cast kernels and the "
-             "manual attention stays fp32: expect 1.1-1.5x (build-nanogpt: 333 -> 300 ms)"),
-    dict(name="+ flash attention (SDPA)", attn="sdpa",
-         why="bandwidth-bound: manual attention writes and re-reads B*H*T*T fp32 scores per layer; "
-             "a fused kernel keeps them on chip: expect 1.2-1.5x"),
-    dict(name="+ torch.compile", compile=True,
-         why="bandwidth- and overhead-bound elementwise chains (LayerNorm, GELU, residuals, casts, "
-             "the loss) fuse into few kernels: expect 1.3-2x, paid for with compile time"),
-    dict(name="+ fused AdamW", fused=True,
-         why="overhead: the default (foreach on CUDA) launches several kernels per parameter group "
-             "step; fused is one pass over params, grads and moments: expect a few %"),
-    dict(name="+ vocab 50304, 1 micro-step", vocab=50304, accum=1,
-         why="50257 = 2^0 x odd: matmul tiles leave a ragged edge on the largest matmul; padding to "
-             "128 x 393 fixes it (nanoGPT: up to ~25%); 4x larger micro-batch amortises launches "
-             "and per-micro-step fixed costs; expect 1.05-1.3x"),
-    dict(name="+ no host sync per step", host_sync=False,
-         why="overhead: reading the loss every step (.item()) makes the CPU wait for the GPU to drain, "
-             "then the GPU idle while the CPU launches the next step; read the losses every "
-             f"{WINDOW} steps and the CPU runs ahead. Here a step is ~100 ms of GPU work and the gap "
-             "well under 1 ms: expect < 1%, nothing on a CPU (its ops run synchronously); it pays "
-             "where steps take a few ms"),
-    dict(name="+ activation checkpointing", checkpoint=True,
-         why="a memory fix applied where memory does NOT bind: recomputing each block's forward adds "
-             "~1/3 of the block FLOPs; expect ~20-30% SLOWER and far lower activation memory"),
-    dict(name="+ DDP", ddp=True,
-         why="one replica per GPU, global batch fixed (B/W rows each), gradient all-reduce "
-             "overlapped with backward over NVLink: expect close to W x tokens/s"),
-]
-# Measure -> fix -> re-measure: a fix that targets a regime this device is not in is measured,
-# reported and then not carried forward: checkpointing (memory does not bind), and bf16 autocast
-# on a CPU whose measured bf16 matmul is slower than its fp32 one (no bf16 units to target).
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a step or two per rung (the tests)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--json", help="write every number here")
+    p.add_argument("--out", default="out", help="figure folder")
+    p.add_argument("--data", help="a UTF-8 text file (default: the Python stdlib's sources)")
+    p.add_argument("--batch", type=positive_int, help="sequences per step, a multiple of 4")
+    p.add_argument("--headline", action="store_true", help="baseline vs final rung: loss curves")
+    p.add_argument("--interconnect", choices=["default", "staged"], default="default",
+                   help="torchrun on GPUs: staged = NCCL without peer-to-peer, via host memory")
+    args = p.parse_args(argv)
+    if args.batch is not None and args.batch % 4:
+        p.error("argument --batch: a multiple of 4 (the early rungs accumulate 4 micro-batches)")
+    if args.headline and "RANK" in os.environ:
+        p.error("--headline runs on one device: start it with python, not torchrun")
+    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get(
+            "LOCAL_WORLD_SIZE", 1)):
+        sys.exit("error: --device cuda: fewer CUDA GPUs here than processes (one GPU each)")
+    check_outputs(args)
+    return args
 
+def use_interconnect(name):
+    """Before the process group starts. 'staged' turns NCCL's peer-to-peer off, so every
+    GPU-to-GPU byte goes through host memory, as on a PCIe box without P2P. NCCL's own log
+    (NCCL_DEBUG=INFO, into a file per process) then says which transport it chose."""
+    if name == "staged":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_FILE", f"{tempfile.gettempdir()}/nccl-{os.getpid()}.log")
 
-# ---------------------------------------------------------------------------------------
-# Measurement helpers.
+def nccl_transport():
+    """The transports NCCL's log names once a collective has run (e.g. P2P/CUMEM/read, or
+    SHM/direct/direct when staged through host memory)."""
+    try:
+        text = Path(os.environ["NCCL_DEBUG_FILE"]).read_text()
+    except (KeyError, OSError):
+        return "not reported"
+    return ", ".join(sorted(set(re.findall(r" via (\S+)", text)))) or "not reported"
 
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-
-def measured_matmul_peak(device, dtype, n):
-    """FLOP/s of an n^3 matmul (median of 5 after warm-up): the realistic ceiling of this chip."""
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+def bench(fn, device, reps=10, warmup=3):
+    """Call fn warmup times, then time reps calls: (median, min, max) seconds. GPU work is
+    asynchronous, so the device is synchronised before every clock read."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for i in range(7):
-        sync(device); t0 = time.perf_counter(); a @ b; sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / float(np.median(times[2:]))
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)
 
+def burst_peak(device, dtype, n, samples):
+    """The matmul ceiling as 01_roofline.py measures it: bursts >= 5 ms of n x n matmuls, each
+    after 100 ms idle and one untimed call. FLOP/s = 2 n^3 / the median seconds per matmul."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    calls, seconds = math.ceil(0.005 / bench(lambda: a @ b, device, reps=1, warmup=1)[0]), []
+    for _ in range(samples):
+        time.sleep(0.1)
+        seconds.append(bench(lambda: [a @ b for _ in range(calls)], device, 1, 1)[0] / calls)
+    return 2 * n**3 / statistics.median(seconds)
 
-def pick_sdpa_backend(device, shape):
-    """On a GPU, time flash vs cuDNN attention (fwd+bwd) at the final rung's shape (B, H, T, hs)
-    and keep the faster one that runs and agrees; both are fused kernels that never write the
-    T x T scores. (Timed at B=8, cuDNN looked slower; at B=64 it is 1.5x faster on an H200.)"""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    if device.type != "cuda":
-        return None, {}
-    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    dy = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    results, outs = {}, {}
-    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
-        try:
-            with sdpa_kernel([backend]):
-                times = []
-                for i in range(8):  # the first calls build cuDNN's plan for this shape: warm-up
-                    sync(device); t0 = time.perf_counter()
-                    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                    y.backward(dy); sync(device)
-                    times.append(time.perf_counter() - t0)
-            results[name], outs[name] = float(np.median(times[3:])) * 1e3, y.detach().float()
-        except Exception as e:  # a backend this build or GPU does not offer
-            results[name] = f"unavailable: {type(e).__name__}"
-    ok = "cudnn" in outs and "flash" in outs and (outs["cudnn"] - outs["flash"]).abs().max().item() < 2e-2
-    best = "cudnn" if ok and results["cudnn"] < results["flash"] else "flash"
-    return [dict(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION)[best]], dict(results, chosen=best)
+def energy_meter(device):
+    """A function reading this GPU's energy counter in joules (NVML), or None without NVML."""
+    try:  # torch's NVML handle (the one torch.cuda.power_draw reads: CUDA_VISIBLE_DEVICES-aware)
+        import pynvml
+        handle = torch.cuda._get_pynvml_handler(device)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # mJ since the driver loaded
+    except Exception:  # no nvidia-ml-py, no NVIDIA driver, or no counter on this GPU
+        return None
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
+def profile_step(step, device):
+    """Seconds of one step per kernel class (on a CPU: op class, own time) and its wall time.
+    One stream runs a step's kernels in order (one thread its ops), so their sum is the busy
+    time and the rest is idle. Only DDP's all-reduce runs beside them (its own stream; on a CPU,
+    gloo's threads, left out): what sums past the step overlapped compute, and is taken off
+    communication, leaving what the step waited for."""
+    gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
+        start = time.perf_counter()
+        step()
+        sync(device)
+        wall = time.perf_counter() - start
+    events = sorted(prof.profiler.kineto_results.events(),
+                    key=lambda e: (e.start_ns(), -e.duration_ns()))  # outer CPU ops first
+    split, outer = dict.fromkeys(CLASSES, 0.0), []  # outer: the CPU ops still open
+    for event in events:
+        if (event.device_type().name != "CPU") != gpu or (gpu and event.is_user_annotation()) \
+                or (not gpu and event.start_thread_id() != events[0].start_thread_id()):
+            continue  # on a GPU its kernels, not the annotated ranges; on a CPU, the step's thread
+        name, seconds = event.name().lower(), event.duration_ns() / 1e9
+        cls = next(c for c, (_, keys) in CLASSES.items() if any(k in name for k in keys))
+        split[cls] += seconds
+        while outer and outer[-1][0] <= event.start_ns():
+            outer.pop()
+        if outer:  # CPU ops nest: the outer op's own time excludes this one's
+            split[outer[-1][1]] -= seconds
+        if not gpu:
+            outer.append((event.end_ns(), cls))
+    split["communication"] += min(wall - sum(split.values()), 0.0)  # the overlapped part
+    split["idle"] = wall - sum(split.values())
+    return split, wall
 
-# ---------------------------------------------------------------------------------------
-# One rung: same init, same batches, same tokens per step; time the steps after warm-up.
+def config(run, setup):
+    return GPTConfig.preset(run.sizes["preset"], **run.sizes["model"], vocab_size=setup["vocab"],
+                            attn=setup["attn"], checkpoint=setup["checkpoint"])
 
-def train_rung(rung, args, preset, init_state, batches, device, sdpa_backends, cached, rank=0, world=1):
-    from contextlib import nullcontext
-    from torch.nn.attention import sdpa_kernel
-    torch.set_float32_matmul_precision("high" if rung["tf32"] else "highest")  # fp32 matmuls: TF32 or full fp32
-    torch.backends.cudnn.allow_tf32 = rung["tf32"]
-    cfg = model_config(args, preset, vocab_size=rung["vocab"], attn=rung["attn"], checkpoint=rung["checkpoint"])
-    key = (cfg, rung["compile"], rung["ddp"])
-    fresh = cached.get("key") != key  # False: compiled model reused, no compile time to report
-    if fresh:  # a rung that changes only the optimizer reuses the compiled model
-        cached.clear(); gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        with torch.device(device):
-            raw = GPT(cfg)
-        model = raw
-        if rung["ddp"]:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            model = DDP(raw, device_ids=[device.index], gradient_as_bucket_view=True)  # grads live in the buckets
-        if rung["compile"]:  # compile the DDP wrapper: dynamo splits the graph at bucket boundaries to overlap
-            model = torch.compile(model, backend=args.compile_backend,
-                                  mode=None if args.compile_mode == "default" else args.compile_mode)
-        cached.update(key=key, raw=raw, model=model)
-    raw, model = cached["raw"], cached["model"]
-    V = cfg.vocab_size
-    raw.load_state_dict({k: v[:V] if k in ("transformer.wte.weight", "lm_head.weight") else v
-                         for k, v in init_state.items()})  # the padded rows 50257.. keep their own init
-    opt = raw.configure_optimizer(lr=6e-4, weight_decay=0.1, fused=rung["fused"])
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    attn_ctx = sdpa_kernel(sdpa_backends) if (sdpa_backends and rung["attn"] == "sdpa") else nullcontext()
-    accum = rung["accum"]
-    warmup = 2 if rung["compile"] and device.type == "cuda" else 1
-    n_steps = max(args.check_step, warmup + (args.steps if rung["compile"] else args.eager_steps))
-    times, losses, pending = [], [], []  # pending: losses still on the device
-    sync(device); t0 = time.perf_counter()
-    with attn_ctx:
-        for step in range(n_steps):
-            x, y = batches[step]
-            rows = x.shape[0] // world  # DDP: each rank takes its slice of the same global batch
-            x, y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-            loss_sum = torch.zeros((), device=device)
-            for xm, ym in zip(x.chunk(accum), y.chunk(accum)):  # equal micro-batches: accumulation is exact
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=rung["bf16"]):
-                    _, loss = model(xm, ym)
-                (loss / accum).backward()
-                loss_sum += loss.detach() / accum
-            opt.step(); opt.zero_grad(set_to_none=True)
-            if world > 1:
-                torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
-            pending.append(loss_sum)
-            # the host waits for the device after every step, or (no host sync) after a window
-            # of steps; each step of a window is charged the window's mean
-            if rung["host_sync"] or step < warmup or (step + 1 - warmup) % WINDOW == 0 or step == n_steps - 1:
-                losses += [v.item() for v in pending]; sync(device)
-                t1 = time.perf_counter()
-                times += [(t1 - t0) / len(pending)] * len(pending); pending, t0 = [], t1
-        # activation memory: what one micro-batch forward leaves alive for backward (GPU: measured)
-        act, act_source = None, "predicted: model_torch.activation_bytes (eager)"
-        if device.type == "cuda" and not rung["ddp"]:
-            sync(device); m0 = torch.cuda.memory_allocated(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=rung["bf16"]):
-                out = model(x[: x.shape[0] // accum], y[: x.shape[0] // accum])
-            sync(device); act = torch.cuda.memory_allocated(device) - m0
-            act_source = "measured: memory_allocated after one micro-batch forward minus before"
-            del out
-    if act is None:
-        act = activation_bytes(cfg, x.shape[0] // accum, cfg.block_size, bf16=rung["bf16"])
-    timed = np.array(times[warmup:])
-    ms = float(np.median(timed)) * 1e3
-    tokens = batches[0][0].numel()  # global tokens per optimizer step
-    return dict(name=rung["name"], settings={k: v for k, v in rung.items() if k not in ("name", "why")},
-                why=rung["why"], world_size=world, micro_batch=x.shape[0] // accum, accum_steps=accum,
-                tokens_per_step=tokens, steps=n_steps, warmup_steps=warmup, timed_steps=len(timed),
-                ms_per_step=ms, ms_min=float(timed.min()) * 1e3, ms_max=float(timed.max()) * 1e3,
-                first_step_s=times[0], compile_s=(times[0] - ms / 1e3) if rung["compile"] and fresh else 0.0,
-                compile_reused=rung["compile"] and not fresh,
-                tokens_per_s=tokens / (ms / 1e3), compile_backend=args.compile_backend if rung["compile"] else None, losses=losses, loss=losses[args.check_step - 1],
-                peak_mem_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-                activation_bytes=int(act), activation_source=act_source)
+def build(setup, run):
+    """The rung's model at the shared init (GPT-2's 50257 embedding rows: a prefix of 50304)."""
+    gc.collect()  # the last rung's model first: compiled modules hold reference cycles
+    with torch.device(run.device):
+        raw = model = GPT(config(run, setup))
+    tied = ("transformer.wte.weight", "lm_head.weight")
+    raw.load_state_dict({name: value[:setup["vocab"]] if name in tied else value
+                         for name, value in run.init_state.items()})
+    if setup["ddp"]:  # gradient_as_bucket_view: the gradients live in DDP's buckets
+        model = DDP(raw, device_ids=run.device_ids, gradient_as_bucket_view=True)
+    if setup["bf16_grads"]:  # gloo's hooks have no bf16: on CPU ranks fp16, the same bytes
+        model.register_comm_hook(None, (default_hooks.fp16_compress_hook,
+                                        default_hooks.bf16_compress_hook)[run.gpu])
+    if setup["compile"] and run.compiled_cudnn != setup["cudnn"]:  # dynamo would reuse a graph
+        torch._dynamo.reset()  # compiled for another attention backend: compile it afresh
+        run.compiled_cudnn = setup["cudnn"]
+    if setup["compile"]:  # DDP compiled whole: the graph splits at its buckets, comm overlaps
+        print(f"   compiling (torch.compile, {run.backend}) in the first step: inductor takes up "
+              "to a minute, the tests' eager backend a second", flush=True)
+        model = torch.compile(model, backend=run.backend)
+    return raw, model
 
+def accumulate(model, x, y, accum, bf16):
+    """Gradients of the batch's mean loss from `accum` equal micro-batches: each micro-batch's
+    mean loss is divided by accum, so their gradients add up to the full batch's."""
+    total = torch.zeros((), device=x.device)
+    for x_micro, y_micro in zip(x.chunk(accum), y.chunk(accum)):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(x_micro, y_micro)
+        (loss / accum).backward()
+        total += loss.detach() / accum
+    return total
 
-def ddp_child(args):
-    """Runs under torchrun, one process per GPU: the DDP rung; rank 0 writes its result."""
-    import torch.distributed as dist
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", timeout=timedelta(minutes=5), device_id=device)
-    preset, init_state, batches, _ = setup(args, device, quiet=rank != 0)
-    rung = json.loads(Path(args.ddp_child + ".in").read_text())  # the parent's cumulative settings
-    from torch.nn.attention import SDPBackend
-    backends = [SDPBackend.CUDNN_ATTENTION if rung.pop("sdpa") == "cudnn" else SDPBackend.FLASH_ATTENTION]
-    result = train_rung(rung, args, preset, init_state, batches, device, backends, {}, rank, world)
-    if rank == 0:
-        Path(args.ddp_child).write_text(json.dumps(result))
-    dist.destroy_process_group()
+def train(setup, run, steps):
+    """A rung: WARMUP steps, `steps` timed in windows of one step (the host reads each loss) or
+    WINDOW steps, NVML energy around them, one profiled step. With DDP each process trains on
+    its share of every batch's rows; without, each on all of them."""
+    torch.set_float32_matmul_precision(("highest", "high")[setup["tf32"]])
+    raw, model = build(setup, run)
+    opt = raw.configure_optimizer(lr=6e-4, weight_decay=0.1, fused=setup["fused"])
+    world, rows, window, losses = 1, slice(None), min(WINDOW, steps), []
+    if setup["ddp"]:
+        world, rows = run.world, run.rows
+    if setup["host_sync"]:
+        window = 1
 
+    def optimizer_steps(count):
+        for _ in range(count):
+            x, y = (t[rows] for t in run.batches[len(losses) % len(run.batches)])
+            loss = accumulate(model, x, y, setup["accum"], setup["bf16"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if world > 1:  # the global batch's mean loss: the mean of the ranks' means
+                dist.all_reduce(loss)
+            losses.append(loss / world)
+            if setup["host_sync"]:
+                losses[-1] = losses[-1].item()  # the host waits for the device here
 
-def run_ddp_rung(rung, args, device, sdpa_chosen, cached, batches):
-    """The last rung under torchrun over every visible GPU (a child process), or skipped."""
-    n = torch.cuda.device_count() if device.type == "cuda" else 0
-    if n < 2:
-        return dict(name=RUNGS[-1]["name"], skipped=f"{'CPU' if n == 0 else 'one GPU'}: data parallelism "
-                    "needs several devices (run on a multi-GPU machine; see 05/06 for DDP on CPU ranks)")
-    if args.batch % n:
-        return dict(name=RUNGS[-1]["name"], skipped=f"--batch {args.batch} does not split over {n} GPUs")
-    cached.clear(); batches[:] = [(x.cpu(), y.cpu()) for x, y in batches]  # free the parent's GPU memory
-    torch._dynamo.reset(); gc.collect(); torch.cuda.empty_cache()  # so rank 0 gets the whole of GPU 0
-    out = Path(args.out) / "07_capstone_torch_ddp.json"
-    out.parent.mkdir(parents=True, exist_ok=True); out.unlink(missing_ok=True)
-    Path(str(out) + ".in").write_text(json.dumps(dict(rung, sdpa=sdpa_chosen)))
-    same = ["--device", "cuda", "--batch", str(args.batch), "--steps", str(args.steps), "--seed", str(args.seed),
-            "--compile-mode", args.compile_mode, "--preset", args.preset or "gpt2"] + ["--quick"] * args.quick \
-        + (["--data", args.data] if args.data else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           __file__, *same, "--ddp-child", str(out)]  # inherits the env (NCCL_NVLS_ENABLE=0 stays set)
-    print(f"launching: {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, so a timeout can end it all
-    try:
-        _, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:  # SIGTERM: torchrun then stops its workers (each in its own session)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        return dict(name=RUNGS[-1]["name"], failed="torchrun timed out after 600 s (stopped with its workers)")
-    if proc.returncode or not out.exists():
-        return dict(name=RUNGS[-1]["name"], failed=f"torchrun exited {proc.returncode}: {err[-600:]}")
-    return json.loads(out.read_text())
+    if run.gpu:
+        torch.cuda.reset_peak_memory_stats(run.device)
+    backend = contextlib.nullcontext()
+    if setup["cudnn"] and run.gpu:  # SDPA may use cuDNN's kernel only (compiled in, too)
+        backend = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    with backend:
+        return timed(setup, run, steps, optimizer_steps, losses, window, rows, world)
 
+def timed(setup, run, steps, optimizer_steps, losses, window, rows, world):
+    """train's measurement: warm-up, timed windows with NVML energy, one profiled step."""
+    first = bench(lambda: optimizer_steps(1), run.device, reps=WARMUP, warmup=0)[2]
+    joules, reps = run.energy and -run.energy(), math.ceil(steps / window)
+    median, fastest, slowest = (seconds / window for seconds in bench(
+        lambda: optimizer_steps(window), run.device, reps, warmup=0))
+    joules = run.energy and joules + run.energy()  # this GPU's, for its share of the tokens
+    split, wall = profile_step(lambda: optimizer_steps(1), run.device)
+    x, peak = run.batches[0][0][rows], None
+    if run.gpu:
+        peak = torch.cuda.max_memory_allocated(run.device)
+    return dict(settings=setup, world_size=world, ms_per_step=median * 1e3, ms_min=fastest * 1e3,
+                ms_max=slowest * 1e3, tokens_per_step=x.numel() * world, profile=split,
+                tokens_per_s=x.numel() * world / median, losses=[float(v) for v in losses],
+                loss=float(losses[-1]), profile_step_s=wall, compile_s=max(0.0, first - median),
+                peak_mem_bytes=peak, tokens_per_joule=joules and x.numel() * reps * window / joules,
+                activation_bytes=activation_bytes(config(run, setup), len(x) // setup["accum"],
+                                                  bf16=setup["bf16"]))  # predicted (model_torch)
 
-# ---------------------------------------------------------------------------------------
+def accumulation_error(run, rows=4):
+    """The gradient the training step accumulates over 4 micro-batches against the full batch's
+    (fp32 baseline, before any optimizer step): their relative difference."""
+    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot to
+    # divide by the micro-batch count would be off by 3x - and AdamW's update would hide it.
+    torch.set_float32_matmul_precision("highest")
+    raw, model = build(BASELINE, run)
+    x, y = (t[:rows] for t in run.batches[0])
+    grads = []
+    for accum in (BASELINE["accum"], 1):
+        accumulate(model, x, y, accum, bf16=False)
+        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
+        raw.zero_grad(set_to_none=True)
+    return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
 
-def model_config(args, preset, **overrides):
-    quick = dict(n_layer=2, n_head=2, n_embd=32, block_size=16) if args.quick else {}  # --quick: tiny-er
-    cpu = dict(block_size=128) if args.cpu_short else {}  # CPU: T=128 keeps the slow bf16 rung to ~1 min
-    return GPTConfig.preset(preset, **{**cpu, **quick, **overrides})
+def keeps(change, run):
+    """Measure -> fix -> re-measure: a fix for a regime this device is not in is not kept."""
+    gpu_only = change.get("bf16") or change.get("cudnn")  # a CPU has neither bf16 units nor cuDNN
+    return not change.get("checkpoint") and (run.gpu or not gpu_only)
 
+def measure(name, why, setup, run, base=None, steps=None):
+    """Train one rung (or say why not), derive its numbers, print them in one line; base: the
+    rung its speed-up and loss gap are measured against (default: itself)."""
+    print(f"{name}: predicted {why}", flush=True)
+    if setup["ddp"] and run.world == 1:
+        print(f"   skipped: {run.ddp_hint}")
+        return dict(name=name, skipped=run.ddp_hint, kept=False)
+    if steps is None:
+        steps = run.sizes["steps"] if setup["compile"] else run.sizes["eager_steps"]
+    r = dict(name=name, **train(setup, run, steps))
+    base, split, peak = base or r, r["profile"], r["peak_mem_bytes"]
+    flops = run.flops_per_token * r["tokens_per_s"] / r["world_size"]  # per GPU
+    binds = max(split, key=split.get)  # the class with the largest share of the step
+    r.update(mfu_datasheet=run.datasheet and flops / run.datasheet, kept=keeps(setup, run),
+             mfu_measured_peak=flops / run.peak, binds=binds, regime=CLASSES[binds][0],
+             speedup=r["tokens_per_s"] / base["tokens_per_s"], fits_24gb=peak and peak < FITS,
+             loss_rel_diff=max(abs(a - b) / b for a, b in zip(r["losses"], base["losses"])),
+             unreliable=flops > min(1.1 * run.peak, run.datasheet or math.inf)
+             or r["ms_max"] - r["ms_min"] > r["ms_per_step"])
+    print(f"   {name + ' (dropped)' * (not r['kept']):34s} {r['ms_per_step']:8.1f} "
+          f"{r['tokens_per_s']:10,.0f} {r['speedup']:7.2f}x {fmt(r['mfu_datasheet'], '.1%'):>7}"
+          f" {r['mfu_measured_peak']:9.1%} {fmt(peak and peak / 2**30, '.1f'):>8} "
+          f"{fmt(r['fits_24gb']):>5} {fmt(r['tokens_per_joule'], ',.0f'):>8} "
+          f"{r['compile_s']:6.1f}s {r['loss_rel_diff']:7.2%}  {binds} "
+          f"{split[binds] / r['profile_step_s']:.0%} ({r['regime']})"
+          + "  unreliable (machine busy)" * r["unreliable"])
+    return r
 
-def setup(args, device, quiet=False):
-    preset = args.preset or ("gpt2" if device.type == "cuda" else "tiny")
-    T = model_config(args, preset).block_size
-    tokens, tokenizer = load_tokens(args.data)
-    if not quiet:
-        print(f"data: {len(tokens):,} tokens ({tokenizer}), {args.batch} x {T} = {args.batch * T:,} tokens per step")
-    batches = [tuple(torch.from_numpy(a).to(device) for a in get_batch(tokens, s, args.batch, T, args.seed))
-               for s in range(max(args.check_step, 2 + max(args.steps, args.eager_steps)))]
-    torch.manual_seed(args.seed)  # one init for every rung (vocab 50304; GPT-2's 50257 rows are its prefix)
-    full = GPT(model_config(args, preset, vocab_size=50304))
-    init_state = {k: v.clone() for k, v in full.state_dict().items()}
-    return preset, init_state, batches, tokenizer
+def fmt(value, spec=""):
+    """A number, or n/a where this machine cannot measure it; yes/no for a verdict."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return ("no", "yes")[value]
+    return format(value, spec)
 
+def final_setup(run):
+    """The last single-device configuration: every rung that this device keeps."""
+    final = dict(BASELINE)
+    for _, change, _ in RUNGS[:-2]:
+        if keeps(change, run):
+            final.update(change)
+    return final
 
-def plot(rungs, path):
+def waterfall(run):
+    """The accumulation check, then each rung's change on top of what the rungs before kept.
+    Under torchrun: the final single-device configuration on every GPU alone, then DDP."""
+    error = accumulation_error(run)
+    print(f"measured: gradient accumulated over {BASELINE['accum']} micro-batches vs the full "
+          f"batch: relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})\n{HEADER}")
+    todo = RUNGS
+    if run.world > 1:  # each GPU alone (no communication): the reference for the scaling
+        todo = [("final rung, each GPU alone", final_setup(run), "the rate DDP scales")] + RUNGS[-2:]
+    rungs, kept = [], BASELINE
+    for name, change, why in todo:
+        rungs.append(measure(name, why, {**kept, **change}, run, rungs and rungs[0]))
+        if rungs[-1]["kept"]:
+            kept = {**kept, **change}
+    done, alone = [r for r in rungs if "loss" in r], rungs[-3]
+    checks = dict(accumulated_gradient_equals_full_batch=error <= ACCUM_TOLERANCE,
+                  losses_track_baseline=all(r["loss_rel_diff"] <= TOLERANCE for r in done),
+                  time_split_adds_up=all(min(r["profile"].values()) >= 0 for r in done))
+    if run.world == 1:  # the checkpointing rung against the last kept rung before it
+        memory = "peak_mem_bytes"  # measured on a GPU; on a CPU, the predicted activations
+        if not run.gpu:
+            memory = "activation_bytes"
+        alone = [r for r in rungs[:-3] if r["kept"]][-1]
+        checks["checkpointing_lowers_memory"] = rungs[-3][memory] < alone[memory]
+    for rung in [r for r in rungs[-2:] if "loss" in r]:  # over N x one GPU's tokens/s alone
+        rung["scaling"] = rung["tokens_per_s"] / (run.world * alone["tokens_per_s"])
+        print(f"derived: {rung['name']}: scaling {rung['scaling']:.1%} of {run.world} x one GPU")
+    return dict(rungs=rungs, accumulation_rel_diff=error, loss_tolerance=TOLERANCE, checks=checks)
+
+def headline(run):
+    """The chapter's opening claim: the baseline and the final rung trained for the same steps
+    from one init on the same batches: loss against step, and against wall-clock."""
+    # PREDICTION: the curves lie on each other (rounding: within ~1% at every step) while the
+    # final rung is ~10x faster per step on a GPU, ~1.5x on a CPU; its compile is paid once.
+    final, steps = final_setup(run), run.sizes["headline_steps"]
+    print(HEADER)
+    base = measure(*RUNGS[0][::2], BASELINE, run, steps=steps)
+    last = measure("final rung (every rung kept)", "the same curve, ~10x sooner", final, run,
+                   base, steps)
+    gap, ratio = last["loss_rel_diff"], base["ms_per_step"] / last["ms_per_step"]
+    print(f"measured: largest relative loss gap over {len(base['losses'])} steps {gap:.2%} "
+          f"(tolerance {HEADLINE_TOLERANCE:.0%})")
+    print(f"derived: the final rung is {ratio:.1f}x faster per step (its compile, "
+          f"{last['compile_s']:.0f} s, is left off the wall-clock axis)")
+    return dict(steps=len(base["losses"]), rungs=[base, last], largest_loss_gap=gap,
+                tolerance=HEADLINE_TOLERANCE, time_ratio=ratio,
+                checks=dict(headline_losses_track=gap <= HEADLINE_TOLERANCE))
+
+def plot(name, draw, out, result):
+    """Two panels side by side, drawn by draw(left, right, result), saved as out/name.png."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return print("figure skipped (no matplotlib)")
-    done = [r for r in rungs if "tokens_per_s" in r]
-    base = done[0]["tokens_per_s"]
-    fig, ax = plt.subplots(figsize=(11, 5))
-    bars = ax.bar(range(len(done)), [r["tokens_per_s"] for r in done],
-                  color=["tab:blue" if r["kept"] else "tab:red" for r in done])
-    for bar, r in zip(bars, done):
-        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{r['tokens_per_s'] / base:.1f}x\n{r['ms_per_step']:.0f} ms",
-                ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(done)), [r["name"] for r in done], rotation=25, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s (measured)"); ax.set_ylim(0, 1.2 * max(b.get_height() for b in bars))
-    ax.set_title("07_capstone_torch: the waterfall (speed-up over fp32 eager; red = cost time, not kept)")
-    fig.tight_layout(); fig.savefig(path, dpi=120); plt.close(fig)
+    fig, panels = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    draw(*panels, result)
+    fig.tight_layout()
+    path, tmp = Path(out) / f"{name}.png", Path(out) / f"{name}.tmp{os.getpid()}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
     print(f"figure: {path}")
 
+def draw_waterfall(speed, split, result):
+    done = [r for r in result["rungs"] if "loss" in r]
+    where, left = range(len(done)), np.zeros(len(done))
+    bars = speed.barh(where, [r["tokens_per_s"] for r in done],
+                      color=[("tab:red", "tab:blue")[r["kept"]] for r in done])
+    speed.bar_label(bars, [f"{r['speedup']:.1f}x" for r in done], fontsize=8)
+    speed.set(xlabel="tokens/s (measured)", title="speed-up over fp32 eager (red: then dropped)")
+    speed.set_yticks(where, [r["name"] for r in done])
+    speed.invert_yaxis()
+    for cls in CLASSES:
+        share = np.array([r["profile"][cls] / r["profile_step_s"] for r in done])
+        split.barh(where, share, left=left, label=cls)
+        left += share
+    split.set(xlabel="share of a profiled step (measured)", title="where a step's time goes",
+              xlim=(0, 1.45))  # room for the legend on the right
+    split.legend(fontsize=8, loc="center right")
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="every rung for two steps (tests)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--json", help="write every number here")
-    p.add_argument("--out", default="out", help="figure folder")
-    p.add_argument("--data", help="a text file (default: the Python standard library's sources)")
-    p.add_argument("--preset", choices=["gpt2", "gpt2-medium", "tiny"], help="default: gpt2 on GPU, tiny on CPU")
-    p.add_argument("--batch", type=int, help="sequences per optimizer step (default 64 GPU, 4 CPU)")
-    p.add_argument("--steps", type=int, help="timed steps of the compiled rungs (default 20 GPU, 2 CPU)")
-    p.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ddp-child", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: no CUDA GPU visible to torch; run with --device cpu")
-    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
-    gpu = device.type == "cuda"
-    args.batch = args.batch or (64 if gpu else 4)
-    args.steps = args.steps or (20 if gpu else 1 if args.quick else 2)
-    args.cpu_short = not gpu and not args.preset
-    args.eager_steps = 1 if args.quick else 3 if gpu else 2
-    args.check_step = 2 if args.quick else 4 if gpu else 3  # the step at which every rung's loss is compared
-    # --quick on a CPU: inductor's C++ codegen takes minutes on 2 cores, so the smoke test traces the
-    # same graphs through AOT autograd without code generation; the default CPU run uses inductor
-    args.compile_backend = "aot_eager" if args.quick and not gpu else "inductor"
-    if args.batch % 4:
-        sys.exit("--batch must be a multiple of 4 (the early rungs accumulate 4 micro-batches)")
-    # compile from a cold cache: compile times are then true, and the SDPA backend chosen below is
-    # honoured (inductor's cache key ignores it and would serve a graph cached under another
-    # backend: pytorch issue #185449)
-    torch._inductor.config.force_disable_caches = True
-    if args.ddp_child:
-        return ddp_child(args)
-    wall0 = time.perf_counter()
-    name = torch.cuda.get_device_name(device) if gpu else (platform.processor() or platform.machine())
-    mem = torch.cuda.get_device_properties(device).total_memory if gpu else None
-    print(f"device: {name}" + (f", {mem / 2**30:.0f} GiB" if mem else f", {os.cpu_count()} cores")
-          + f" | torch {torch.__version__} | python {platform.python_version()}")
-    preset, init_state, batches, tokenizer = setup(args, device)
-    cfg = model_config(args, preset, vocab_size=50257)
-    fpt = flops_per_token(cfg)  # model FLOPs of GPT-2 as shipped: padded rows are not useful work
-    peaks = dict(datasheet_bf16=datasheet_bf16_peak(name) if gpu else None,  # reference: datasheet
-                 measured_bf16_matmul=measured_matmul_peak(device, torch.bfloat16, 8192 if gpu else 512),
-                 measured_fp32_matmul=None if gpu else measured_matmul_peak(device, torch.float32, 512))
-    # MFU's second denominator: this machine's own matmul peak, the faster of bf16 and fp32
-    # (a CPU without bf16 units runs fp32 matmuls faster, and is then judged against fp32)
-    measured_peak = max(peaks["measured_bf16_matmul"], peaks["measured_fp32_matmul"] or 0)
-    from torch.nn.attention import SDPBackend
-    sdpa_backends, sdpa_probe = pick_sdpa_backend(device, (args.batch, cfg.n_head, cfg.block_size, cfg.n_embd // cfg.n_head))
-    print(f"model: {preset}{' (quick: 2 layers, d=32)' if args.quick else ''}, T={cfg.block_size}, "
-          f"torch.compile backend {args.compile_backend}, "
-          f"flops_per_token = 6N + 12LTd = {fpt / 1e6:.1f} MFLOP (derived) | peaks: datasheet bf16 "
-          + (f"{peaks['datasheet_bf16'] / 1e12:.0f}" if peaks['datasheet_bf16'] else "n/a (unknown device)") + " TFLOP/s (reference), "
-          f"measured bf16 matmul {peaks['measured_bf16_matmul'] / 1e12:.3g} TFLOP/s"
-          + (f", fp32 {peaks['measured_fp32_matmul'] / 1e12:.3g}" if peaks["measured_fp32_matmul"] else "")
-          + (f" | SDPA fwd+bwd of one layer at B={args.batch} (measured, ms): "
-             + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in sdpa_probe.items())
-             if sdpa_probe else ""))
-    bf16_has_units = gpu or peaks["measured_bf16_matmul"] > peaks["measured_fp32_matmul"]
-    print("baseline matmul precision: full fp32 (torch.set_float32_matmul_precision('highest'), TF32 off)"
-          + ("" if gpu else "; on a CPU TF32 does not exist, so that rung changes nothing"))
-    rungs, cached, kept = [], {}, {}
-    for change in RUNGS:
-        rung = {**kept, **change}  # cumulative: this rung's change on top of what was kept so far
-        print(f"\n== {rung['name']}\n   why: {rung['why']}", flush=True)
-        backends = sdpa_backends  # a fallback to flash holds for this rung only
-        for attempt in range(2):
-            try:
-                r = run_ddp_rung(rung, args, device, sdpa_probe.get("chosen"), cached, batches) if rung["ddp"] \
-                    else train_rung(rung, args, preset, init_state, batches, device, backends, cached)
-                if backends is not sdpa_backends:
-                    r["sdpa_fallback"] = "flash (cudnn failed on this rung)"
-                break
-            except Exception as e:  # one rung failing must not lose the others
-                oom = isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
-                r = dict(name=rung["name"], failed=("does not fit (out of memory): " if oom else "")
-                         + f"{type(e).__name__}: {str(e)[:400]}")
-                cached.clear()
-                if oom or rung["ddp"] or sdpa_probe.get("chosen") != "cudnn" or rung["attn"] != "sdpa":
-                    break  # out of memory is not an attention failure; the DDP rung is never relaunched
-                print(f"   cuDNN attention failed ({r['failed'][:200]}): retrying this rung with flash attention")
-                backends = [SDPBackend.FLASH_ATTENTION]
-        prev = next((x for x in reversed(rungs) if x.get("kept") and "tokens_per_s" in x), None)
-        r["builds_on"] = prev["name"] if prev else None
-        r["kept"] = "tokens_per_s" in r and not rung["checkpoint"] and (rung["bf16"] <= kept.get("bf16", False)
-                                                                         or bf16_has_units)
-        if r["kept"]:
-            kept = {k: v for k, v in rung.items() if k not in ("name", "why")}
-        elif "tokens_per_s" in r:
-            print(f"   not carried forward: {'a memory fix where memory does not bind' if rung['checkpoint'] else 'no bf16 matmul units here (measured bf16 matmul < fp32)'}")
-        if "tokens_per_s" in r:
-            per_gpu = r["tokens_per_s"] / r["world_size"]
-            r["mfu_datasheet"] = fpt * per_gpu / peaks["datasheet_bf16"] if peaks["datasheet_bf16"] else None
-            r["mfu_measured_peak"] = fpt * per_gpu / measured_peak
-            r["speedup"] = r["tokens_per_s"] / rungs[0]["tokens_per_s"] if rungs and "tokens_per_s" in rungs[0] else 1.0
-            print(f"   measured: {r['ms_per_step']:.1f} ms/step (min {r['ms_min']:.1f}, max {r['ms_max']:.1f}), "
-                  f"{r['tokens_per_s']:,.0f} tokens/s, compile {'reused' if r.get('compile_reused') else format(r['compile_s'], '.1f') + ' s'}, "
-                  f"loss {r['loss']:.4f}")
+def draw_headline(by_step, by_time, result):
+    for rung, color in zip(result["rungs"], ("tab:red", "tab:blue")):
+        steps = np.arange(1, len(rung["losses"]) + 1)
+        by_step.plot(steps, rung["losses"], color=color, label=rung["name"])
+        by_time.plot(steps * rung["ms_per_step"] / 1e3, rung["losses"], color=color)
+    by_step.set(xlabel="optimizer step", ylabel="training loss (measured)",
+                title=f"the same curve: largest gap {result['largest_loss_gap']:.2%}")
+    by_time.set(xlabel="wall-clock s (steps x measured median step; compile left out)",
+                xscale="log", title=f"{result['time_ratio']:.1f}x apart")
+    by_step.legend()
+
+def prepare(args, device, rank=0, world=1):
+    """What every rung shares: sizes, batches, one init, the peaks; the first lines printed."""
+    gpu, sizes = device.type == "cuda", SIZES["quick" if args.quick else device.type]
+    batch = sizes["headline_batch" if args.headline else "batch"]
+    if args.batch is not None:
+        batch = args.batch
+    if batch % world:
+        sys.exit(f"error: {batch} sequences per step do not split into {world} equal shares")
+    run = SimpleNamespace(device=device, gpu=gpu, sizes=sizes, world=world, datasheet=None,
+                          rows=slice(rank * batch // world, (rank + 1) * batch // world),
+                          device_ids=None, energy=None, backend="inductor", compiled_cudnn=None,
+                          ddp_hint="they need one process per GPU: torchrun --standalone "
+                          "--nproc_per_node=2 07_capstone_torch.py (CPU ranks: --device cpu)")
+    name, memory, n, dtype = platform.machine(), f"{os.cpu_count()} cores", 1024, torch.float32
+    if gpu:
+        name, n, dtype = torch.cuda.get_device_name(device), 8192, torch.bfloat16
+        memory = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
+        run.datasheet, run.device_ids = datasheet_bf16_peak(name), [device.index]
+        run.energy = energy_meter(device)
+    if args.quick and not gpu:  # dynamo captures the graphs and runs them eagerly: the tests
+        run.backend = "eager"  # check capture and math (inductor's C++ build takes minutes)
+    print(f"device: {name}, {memory} | torch {torch.__version__} | python "
+          f"{platform.python_version()} | compile backend {run.backend}")
+    shipped = config(run, dict(BASELINE, vocab=50257))  # GPT-2 as shipped: the FLOPs that count
+    tokens, tokenizer = load_tokens(args.data, shipped.block_size + 2)
+    count = WARMUP + 1 + sizes["headline_steps"]  # the most steps a rung takes
+    run.batches = [tuple(torch.from_numpy(a).to(device) for a in get_batch(
+        tokens, i, batch, shipped.block_size)) for i in range(count)]
+    torch.manual_seed(0)  # one init for every rung (vocab 50304; GPT-2's rows are its prefix)
+    run.init_state = GPT(config(run, dict(BASELINE, vocab=50304))).state_dict()
+    run.peak = burst_peak(device, dtype, n, (10, 3)[args.quick])
+    run.flops_per_token = flops_per_token(shipped)
+    print(f"data: {len(tokens):,} tokens ({tokenizer}), {batch} x {shipped.block_size} tokens "
+          f"per step; model {sizes['preset']} ({shipped.n_layer} layers, d={shipped.n_embd})\n"
+          f"derived: flops_per_token = 6N + 12LTd = {run.flops_per_token / 1e6:.1f} MFLOP\n"
+          f"reference: datasheet dense bf16 peak {fmt(run.datasheet and run.datasheet / 1e12)} "
+          f"TFLOP/s (NVIDIA)\nmeasured: {n} x {n} {dtype} matmul peak (burst) "
+          f"{run.peak / 1e12:.3g} TFLOP/s")
+    return run, dict(device=dict(name=name, type=device.type, memory=memory,
+                                 torch=torch.__version__), tokenizer=tokenizer,
+                     flops_per_token=run.flops_per_token,
+                     peaks=dict(datasheet_bf16=run.datasheet, measured_matmul_burst=run.peak))
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*dynamo_pgo force disabled")
+    warnings.filterwarnings("ignore", message=".*Profiler clears events")  # one profile a rung
+    for name in ("torch._dynamo.variables.torch", "torch._dynamo.variables.ctx_manager"):
+        logging.getLogger(name).addFilter(lambda record: "will be ignored" not in str(record.msg))
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT" lines around each profile
+    torch._inductor.config.force_disable_caches = True  # every compile cold: its time is true
+    torch._inductor.config.cpp.enable_kernel_profile = True  # CPU kernels named in the profile
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    start, device = time.perf_counter(), torch.device("cpu")
+    own_log = "NCCL_DEBUG_FILE" not in os.environ  # this process's NCCL log: removed at the end
+    if args.device != "cpu" and torch.cuda.device_count() >= int(os.environ.get(
+            "LOCAL_WORLD_SIZE", 1)):  # one GPU per process on this node
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        use_interconnect(args.interconnect)
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports; errors still reach stderr
+    if world > 1:  # torchrun started this process: a process group for the DDP rungs
+        dist.init_process_group(("gloo", "nccl")[device.type == "cuda"],
+                                timeout=timedelta(seconds=120))
+    try:
+        run, result = prepare(args, device, rank, world)
+        if world > 1:
+            dist.all_reduce(torch.ones(1, device=device))  # the first collective: NCCL's path
+            sync(device)
+            transport = "gloo on CPU ranks: the flag changes nothing"
+            if device.type == "cuda":
+                transport = f"NCCL reports {nccl_transport()}"
+            print(f"interconnect: {args.interconnect} ({world} processes); {transport}")
+            result.update(world_size=world, interconnect=args.interconnect, transport=transport)
+        if args.headline:
+            result.update(headline(run))
+            figure = ("07_capstone_torch_headline", draw_headline)
         else:
-            print(f"   {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('failed')}")
-        rungs.append(r)
-    cached.clear()
-
-    # the math did not change: every rung's loss at the common step tracks the baseline's
-    base = rungs[0].get("loss")
-    tol = 0.005  # bf16 keeps 8 mantissa bits (rounding 2^-9 ~ 0.2% per value, averaged over the
-    #              loss's sums); a few steps from the same init on the same batches amplify it to
-    #              ~0.1% (measured: <= 0.08% on an H200, 0.01% on a CPU); a real bug (wrong mask,
-    #              lost gradient, wrong accumulation) moves the loss by far more than 0.5%
-    for r in rungs:
-        if "loss" in r and base:
-            r["loss_rel_diff"] = abs(r["loss"] - base) / base
-    done = [r for r in rungs if "tokens_per_s" in r]
-    ck = next((i for i, r in enumerate(rungs) if r["name"] == "+ activation checkpointing"), None)
-    ck_base = next((r for r in rungs if r["name"] == rungs[ck].get("builds_on")), {})  # what it was added to
-    checks = {
-        "all_single_device_rungs_ran": all("tokens_per_s" in r for r in rungs[:-1]),
-        "last_rung_ran_or_skipped_with_reason": "tokens_per_s" in rungs[-1] or bool(rungs[-1].get("skipped")),
-        "losses_track_baseline": bool(base) and all(r.get("loss_rel_diff", 1) <= tol for r in done),
-        "checkpointing_lowers_activation_memory": "activation_bytes" in rungs[ck] and "activation_bytes" in ck_base
-                                                  and rungs[ck]["activation_bytes"] < ck_base["activation_bytes"],
-    }
-    final = max((r for r in rungs[:ck] if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"], default={"name": None})
-    targets = dict(best_single_device_rung=final["name"], mfu_datasheet=final.get("mfu_datasheet"),
-                   mfu_target=0.45, speedup=final.get("speedup"), speedup_target=10.0)
-
-    print(f"\n{'rung':36s} {'ms/step':>9s} {'tokens/s':>11s} {'speed-up':>8s} {'MFU(ds)':>8s} {'MFU(meas)':>9s} "
-          f"{'peak MiB':>9s} {'act MiB':>9s} {'loss':>8s} {'d(loss)':>8s}")
-    for r in rungs:
-        if "tokens_per_s" not in r:
-            print(f"{r['name']:36s} {r.get('skipped') or r.get('failed')}"); continue
-        mfu = f"{r['mfu_datasheet']:.1%}" if r["mfu_datasheet"] else "n/a"
-        peak = f"{r['peak_mem_bytes'] / 2**20:.0f}" if r["peak_mem_bytes"] else "n/a"
-        act = f"{r['activation_bytes'] / 2**20:.1f}" + ("" if r["activation_source"].startswith("measured") else "p")
-        print(f"{r['name'] + ('' if r['kept'] else ' (dropped)'):36s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:11,.0f} {r['speedup']:7.2f}x "
-              f"{mfu:>8s} {r['mfu_measured_peak']:9.1%} {peak:>9s} "
-              f"{act:>9s} {r['loss']:8.4f} {r['loss_rel_diff']:8.2%}")
-    print(f"(measured: ms, tokens/s, peak mem = max_memory_allocated; act mem: measured (memory_allocated) "
-          f"unless marked p = predicted by model_torch.activation_bytes (eager formula); derived: speed-up, MFU; "
-          f"loss compared at step {args.check_step}, tolerance {tol:.1%})")
-    print(f"targets: best single-device rung '{final['name']}': MFU {format(targets['mfu_datasheet'] or 0, '.1%') if targets['mfu_datasheet'] else 'n/a'} "
-          f"of the datasheet peak (target 45%), {format(targets['speedup'] or 0, '.1f') if targets['speedup'] else 'n/a'}x the fp32 baseline (target 10x)")
-    for k, v in checks.items():
-        print(f"check {k}: {'ok' if v else 'FAILED'}")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    plot(rungs, Path(args.out) / "07_capstone_torch.png")
-    wall = time.perf_counter() - wall0
-    print(f"wall time: {wall:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(
-            lesson="07_capstone_torch", quick=args.quick,
-            device=dict(name=name, type=device.type, memory_bytes=mem, count=torch.cuda.device_count() if gpu else 0,
-                        torch=torch.__version__, python=platform.python_version()),
-            preset=preset, seq_len=cfg.block_size, tokens_per_step=batches[0][0].numel(), tokenizer=tokenizer,
-            flops_per_token=fpt, peaks=peaks, sdpa_probe=sdpa_probe,
-            mfu_definition="flops_per_token (6N + 12LTd, GPT-2 vocab 50257) x tokens/s per GPU / peak FLOP/s "
-                           "(datasheet dense bf16, or this run's measured matmul peak: the faster of bf16 and fp32)",
-            loss_check=dict(step=args.check_step, rel_tolerance=tol), rungs=rungs, targets=targets,
-            checks=checks, wall_s=wall), indent=1))
-    if not all(checks.values()):
-        sys.exit(1)
+            result.update(waterfall(run))
+            figure = ("07_capstone_torch", draw_waterfall)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+        if own_log and "NCCL_DEBUG_FILE" in os.environ:
+            Path(os.environ["NCCL_DEBUG_FILE"]).unlink(missing_ok=True)
+    result.update(lesson="07_capstone_torch", quick=args.quick, wall_s=time.perf_counter() - start)
+    for check, ok in result["checks"].items():
+        print(f"check {check}: {('FAILED', 'ok')[ok]}")
+    print(f"wall time: {result['wall_s']:.0f} s")
+    if rank == 0:
+        plot(*figure, args.out, result)
+    if args.json and rank == 0:
+        write_json(args.json, result)
+    failed = [check for check, ok in result["checks"].items() if not ok]
+    if failed:
+        sys.exit(f"error: check failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
