@@ -766,7 +766,7 @@ def test_compile_lesson(compile_run):
     assert bw["bytes_eager"] * 3 == bw["bytes_floor"] * 11
 
 
-def test_compile_fused_chain_is_compute_bound_on_a_cpu(compile_run):
+def test_compile_fused_chain_regime_follows_from_its_numbers(compile_run):
     bw = compile_run[1]["bandwidth"]
     # the roofs from their best repetition: a copy reads and writes N fp32 values, a square
     # n x n matmul does 2 n^3 FLOPs; the ridge is their ratio
@@ -783,10 +783,9 @@ def test_compile_fused_chain_is_compute_bound_on_a_cpu(compile_run):
     # unless a busy machine slowed the copy so much that the fused chain beat the floor: flagged
     assert (bw["regime"] == "compute-bound") == (bw["intensity_flop_per_byte"] > bw["ridge_flop_per_byte"])
     assert bw["unreliable"] == (min(bw["vs_floor"]["torch_compile"], bw["vs_floor"]["jax_jit"]) < 0.9)
-    assert bw["regime"] == "compute-bound" or bw["unreliable"]
-    # the roofline bound is the larger of the two roofs' times, so the fused chain is not below it
+    # the roofline bound is the larger of the two roofs' times. Which one it is depends on the
+    # measured ridge, a timing: reported by the lesson, never asserted here
     assert bw["roofline_bound_s"] == pytest.approx(max(bw["floor_s"], bw["xla_flops"] / bw["fp32_peak_flops"]))
-    assert bw["roofline_bound_s"] > bw["floor_s"]
 
 
 def test_compile_quiet_output_and_no_stray_files(compile_run):
