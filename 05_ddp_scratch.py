@@ -31,7 +31,7 @@ GRAD_TOL = 1e-5        # averaged vs whole-batch gradient, relative (fp32 summat
 PATH_TOL = 1e-3        # gap to the single-process parameters / distance they moved
 ALLREDUCE_TOL = 1e-6   # ours vs dist.all_reduce, relative
 BUCKET_MB = 25         # DDP's default gradient bucket (Li et al., VLDB 2020)
-PIECE_MB = 64          # the ring sends larger chunks in pieces, so that its adds overlap
+PIECE_MB = 256         # a larger chunk goes in pieces: adds overlap sends, each costs one alpha
 TIMEOUT_S = 60         # seconds: a rank that stops answering fails the others after this
 LOCAL_RANKS = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # on this machine (torchrun sets it)
 # 1.: GPT, rows per rank, sequence, steps; 2.: longest length; 3b: the timed step's global rows and

@@ -1,22 +1,21 @@
 """
-Section 13.7: the waterfall. GPT-2 124M down the chapter's method, one measured rung per technique
-(RUNGS), each kept for the rungs after it, all from one init on the same batches: the speed
-changes, the losses must not. After each rung torch.profiler splits a step by kernel class.
+Section 13.7: the waterfall. GPT-2 124M down the chapter's method, one measured rung per
+technique (RUNGS), each kept for the rungs after it, all from one init on the same batches:
+the speed changes, the losses must not. torch.profiler says where each rung's step goes.
 
     python 07_capstone_torch.py               # one GPU: gpt2 (124M, T=1024), ~3 min
     python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps each, ~2 min
     OMP_NUM_THREADS=8 torchrun --standalone --nproc_per_node=2 07_capstone_torch.py
         [--interconnect staged]               # each GPU the final rung alone, then DDP
     python 07_capstone_torch.py --device cpu  # the tiny preset, ~2.5 min on 2 cores
-    python 07_capstone_torch.py --quick       # a step or two per rung (the tests; or --headline)
+    python 07_capstone_torch.py --quick       # a step or two per rung (the tests)
 
-One line per rung: ms/step, tokens/s, MFU (6N + 12LTd FLOPs per token of GPT-2 as shipped, over
-the datasheet bf16 peak and this chip's measured matmul peak), peak memory against a 24 GB card,
-tokens per joule (NVML), compile time, the loss gap, what binds. Figures in out/. Data: --data
-FILE (UTF-8 text), else the Python standard library's sources. Copy it with model_torch.py.
+Per rung: ms/step, tokens/s, MFU (6N + 12LTd FLOPs per token over the datasheet bf16 peak and
+a measured matmul peak), peak memory against a 24 GB card, tokens/J (NVML), the loss gap, what
+binds. Figures in out/. --data FILE (UTF-8) or the stdlib's sources. Needs model_torch.py.
 """
 
-import argparse, contextlib, gc, hashlib, json, logging, math, os, platform, re, statistics, sys
+import argparse, gc, hashlib, json, logging, math, os, platform, re, statistics, sys
 import sysconfig, tempfile, time, warnings
 from datetime import timedelta
 from pathlib import Path
@@ -27,49 +26,41 @@ import torch
 import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak, flops_per_token
 
 BASELINE = dict(tf32=False, bf16=False, attn="manual", compile=False, fused=False, vocab=50257,
-                accum=4, host_sync=True, cudnn=False, checkpoint=False, ddp=False, bf16_grads=False)
+                accum=4, host_sync=True, checkpoint=False, ddp=False, bf16_grads=False)
 WARMUP = 2  # untimed steps of every rung: the first compiles, the second settles
 WINDOW = 5  # steps between host syncs once "no host sync per step" is on
 RUNGS = [  # (name, what it changes, the regime it targets and the prediction: printed first)
-    ("fp32 eager", {}, "baseline: full fp32 matmuls (TF32 off) leave the tensor cores idle; "
-     "~67 TFLOP/s fp32 on an H100/H200 against 989 bf16 (datasheet): expect < 7% MFU"),
+    ("fp32 eager", {}, "baseline: full fp32 matmuls leave the tensor cores idle: ~67 TFLOP/s "
+     "fp32 on an H100/H200 against 989 bf16 (datasheet): < 7% MFU"),
     ("+ TF32", dict(tf32=True), "compute-bound on the wrong units: TF32 runs fp32 matmuls on "
-     "tensor cores (495 TFLOP/s datasheet): 2-3x (build-nanogpt, A100: 1000 -> 333 ms)"),
+     "tensor cores (495 TFLOP/s): 2-3x (build-nanogpt, A100: 1000 -> 333 ms)"),
     ("+ bf16 autocast", dict(bf16=True), "tensor-core peak x2, activations /2, but eager adds "
      "casts and manual attention stays fp32: 1.1-1.5x (build-nanogpt: 333 -> 300 ms)"),
     ("+ flash attention (SDPA)", dict(attn="sdpa"), "bandwidth-bound: manual attention writes and "
      "re-reads B*H*T*T scores per layer; SDPA's fused kernel (flash, or cuDNN's) does not: 1.2-2x"),
     ("+ torch.compile", dict(compile=True), "bandwidth- and overhead-bound chains (LayerNorm, "
      "GELU, residuals, casts, the loss) fuse into few kernels: 1.3-2x, plus compile time once"),
-    ("+ fused AdamW", dict(fused=True), "overhead: the foreach optimizer launches several "
-     "kernels per parameter group; fused is one pass over params, grads, moments: a few %"),
-    ("+ vocab 50304, 1 micro-step", dict(vocab=50304, accum=1), "50257 is odd: the largest "
-     "matmul's tiles leave a ragged edge, 50304 = 128 x 393 does not (nanoGPT: up to ~25%); one "
-     "4x larger micro-batch amortises fixed costs: 1.05-1.3x, more activation memory"),
+    ("+ fused AdamW", dict(fused=True), "overhead: foreach AdamW launches several kernels per "
+     "parameter group, fused is one pass over params, grads, moments: a few %"),
+    ("+ vocab 50304, 1 micro-step", dict(vocab=50304, accum=1), "50304 = 128 x 393 leaves the "
+     "largest matmul no ragged tiles (nanoGPT: up to ~25%); one 4x micro-batch amortises fixed "
+     "costs: 1.05-1.3x, more activation memory"),
     ("+ no host sync per step", dict(host_sync=False), f"overhead: reading the loss every "
      f"step makes the CPU wait for the GPU to drain; every {WINDOW} steps it runs ahead. A ~100 ms "
      "step hides a gap < 1 ms: expect < 1% here, 0 on a CPU; it pays for steps of a few ms"),
-    ("+ cuDNN attention", dict(cudnn=True), "attention is the largest non-matmul class left: "
-     "cuDNN's fused attention (Hopper's own kernels) in place of PyTorch's default flash kernel: "
-     "a few ms per step on an H100/H200; no cuDNN on a CPU (dropped there)"),
     ("+ activation checkpointing", dict(checkpoint=True), "a memory fix where memory does NOT "
-     "bind: recomputing each block's forward adds ~1/3 of its FLOPs: 20-30% SLOWER, then dropped"),
-    ("+ DDP", dict(ddp=True), "the same global batch split among N GPUs, the gradient all-reduce "
-     "overlapped with backward: over NVLink close to N x one GPU (scaling > 90%)"),
+     "bind: recomputing each block's forward adds ~1/3 of its FLOPs: 20-30% SLOWER, dropped"),
+    ("+ DDP", dict(ddp=True), "the batch split among N GPUs, the gradient all-reduce overlapped "
+     "with backward: over NVLink close to N x one GPU (scaling > 90%)"),
     ("+ bf16 gradient all-reduce", dict(ddp=True, bf16_grads=True), "communication-bound on a "
-     "slow link: a DDP hook all-reduces bf16 gradients, half the bytes: ~0 over NVLink, a few % "
-     "staged"),
+     "slow link: a hook all-reduces bf16 gradients, half the bytes: ~0 on NVLink, a few % staged"),
 ]
-# Measure -> fix -> re-measure: a fix for a regime this device is not in is measured, then not
-# carried forward: checkpointing (memory does not bind here), and bf16 autocast on a CPU (no
-# bf16 matmul units: its bf16 matmuls run 10-20x slower than fp32).
 CLASSES = {  # class: (the regime it means, substrings of a kernel's (CPU: op's) name; first wins)
     "communication": ("communication-bound", ("nccl", "gloo", "allreduce", "all_reduce", "c10d")),
     "loss": ("bandwidth-bound", ("nll_loss", "nllloss", "log_softmax", "logsoftmax")),
@@ -87,12 +78,12 @@ HEADLINE_TOLERANCE = 0.03  # the same over 100 steps: rounding differences grow 
 ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: ~1e-6)
 FITS = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA context, libraries
 SIZES = dict(  # batch: sequences per step; steps: timed steps of a compiled / eager rung
-    cuda=dict(preset="gpt2", model={}, batch=64, steps=20, eager_steps=3,  # 124M, T=1024
-              headline_steps=100, headline_batch=32),  # the headline at half the batch
+    cuda=dict(preset="gpt2", model={}, batch=64, steps=20, eager_steps=3,
+              headline_steps=100, headline_batch=32),
     cpu=dict(preset="tiny", model=dict(block_size=128), batch=4, steps=2, eager_steps=2,
-             headline_steps=30, headline_batch=4),  # T=128: the slow bf16 rung ~30 s
-    quick=dict(preset="tiny", model=dict(n_layer=2, n_head=2, n_embd=32, block_size=16), batch=4,
-               steps=1, eager_steps=1, headline_steps=5, headline_batch=4))
+             headline_steps=30, headline_batch=4),
+    quick=dict(preset="tiny", model=dict(n_layer=2, n_head=2, n_embd=32, block_size=16),
+               batch=4, steps=1, eager_steps=1, headline_steps=5, headline_batch=4))
 HEADER = (f"   {'rung':34s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} {'MFU(ds)':>7s} "
           f"{'MFU(meas)':>9s} {'peak GiB':>8s} {'24 GB':>5s} {'tokens/J':>8s} {'compile':>7s} "
           f"{'d(loss)':>7s}  binds: share of a profiled step\n   (measured: ms, tokens/s, peak "
@@ -179,19 +170,16 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--json", help="write every number here")
     p.add_argument("--out", default="out", help="figure folder")
-    p.add_argument("--data", help="a UTF-8 text file (default: the Python stdlib's sources)")
+    p.add_argument("--data", help="a UTF-8 text file (default: the stdlib's sources)")
     p.add_argument("--batch", type=positive_int, help="sequences per step, a multiple of 4")
-    p.add_argument("--headline", action="store_true", help="baseline vs final rung: loss curves")
+    p.add_argument("--headline", action="store_true", help="baseline vs final rung, loss curves")
     p.add_argument("--interconnect", choices=["default", "staged"], default="default",
-                   help="torchrun on GPUs: staged = NCCL without peer-to-peer, via host memory")
+                   help="staged: NCCL without peer-to-peer, GPU to GPU via host memory")
     args = p.parse_args(argv)
     if args.batch is not None and args.batch % 4:
-        p.error("argument --batch: a multiple of 4 (the early rungs accumulate 4 micro-batches)")
+        p.error("argument --batch: a multiple of 4 (the first rungs take 4 micro-batches)")
     if args.headline and "RANK" in os.environ:
         p.error("--headline runs on one device: start it with python, not torchrun")
-    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get(
-            "LOCAL_WORLD_SIZE", 1)):
-        sys.exit("error: --device cuda: fewer CUDA GPUs here than processes (one GPU each)")
     check_outputs(args)
     return args
 
@@ -265,20 +253,20 @@ def profile_step(step, device):
         wall = time.perf_counter() - start
     events = sorted(prof.profiler.kineto_results.events(),
                     key=lambda e: (e.start_ns(), -e.duration_ns()))  # outer CPU ops first
-    split, outer = dict.fromkeys(CLASSES, 0.0), []  # outer: the CPU ops still open
-    for event in events:
-        if (event.device_type().name != "CPU") != gpu or (gpu and event.is_user_annotation()) \
-                or (not gpu and event.start_thread_id() != events[0].start_thread_id()):
-            continue  # on a GPU its kernels, not the annotated ranges; on a CPU, the step's thread
-        name, seconds = event.name().lower(), event.duration_ns() / 1e9
+    split, outer, thread = dict.fromkeys(CLASSES, 0.0), [], events[0].start_thread_id()
+    for e in events:  # a GPU's kernels; a CPU's ops on the step's thread (gloo's: left out)
+        if (e.device_type().name != "CPU") != gpu or (gpu and e.is_user_annotation()) or (
+                not gpu and e.start_thread_id() != thread):
+            continue
+        name, seconds = e.name().lower(), e.duration_ns() / 1e9
         cls = next(c for c, (_, keys) in CLASSES.items() if any(k in name for k in keys))
         split[cls] += seconds
-        while outer and outer[-1][0] <= event.start_ns():
+        while outer and outer[-1][0] <= e.start_ns():
             outer.pop()
-        if outer:  # CPU ops nest: the outer op's own time excludes this one's
+        if outer:  # CPU ops nest: the open outer op's own time excludes this one's
             split[outer[-1][1]] -= seconds
         if not gpu:
-            outer.append((event.end_ns(), cls))
+            outer.append((e.end_ns(), cls))
     split["communication"] += min(wall - sum(split.values()), 0.0)  # the overlapped part
     split["idle"] = wall - sum(split.values())
     return split, wall
@@ -293,19 +281,17 @@ def build(setup, run):
     with torch.device(run.device):
         raw = model = GPT(config(run, setup))
     tied = ("transformer.wte.weight", "lm_head.weight")
-    raw.load_state_dict({name: value[:setup["vocab"]] if name in tied else value
-                         for name, value in run.init_state.items()})
+    raw.load_state_dict({k: v[:setup["vocab"]] if k in tied else v
+                         for k, v in run.init_state.items()})
     if setup["ddp"]:  # gradient_as_bucket_view: the gradients live in DDP's buckets
         model = DDP(raw, device_ids=run.device_ids, gradient_as_bucket_view=True)
     if setup["bf16_grads"]:  # gloo's hooks have no bf16: on CPU ranks fp16, the same bytes
-        model.register_comm_hook(None, (default_hooks.fp16_compress_hook,
-                                        default_hooks.bf16_compress_hook)[run.gpu])
-    if setup["compile"] and run.compiled_cudnn != setup["cudnn"]:  # dynamo would reuse a graph
-        torch._dynamo.reset()  # compiled for another attention backend: compile it afresh
-        run.compiled_cudnn = setup["cudnn"]
+        hook = (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)[run.gpu]
+        model.register_comm_hook(None, hook)
+    if setup["compile"] and setup["ddp"]:  # else dynamo reuses the graph compiled without DDP:
+        torch._dynamo.reset()  # one backward, no split at the buckets, no all-reduce overlapped
     if setup["compile"]:  # DDP compiled whole: the graph splits at its buckets, comm overlaps
-        print(f"   compiling (torch.compile, {run.backend}) in the first step: inductor takes up "
-              "to a minute, the tests' eager backend a second", flush=True)
+        print(f"   compiling (torch.compile, {run.backend}) in the first step: inductor: ~1 min")
         model = torch.compile(model, backend=run.backend)
     return raw, model
 
@@ -320,18 +306,33 @@ def accumulate(model, x, y, accum, bf16):
         total += loss.detach() / accum
     return total
 
+def accumulation_error(run, rows=4):
+    """The gradient accumulated over 4 micro-batches vs the full batch's, before any optimizer
+    step (fp32 baseline): their relative difference."""
+    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot to
+    # divide by the micro-batch count would be off by 3x - and AdamW's update would hide it.
+    torch.set_float32_matmul_precision("highest")
+    raw, model = build(BASELINE, run)
+    x, y = (t[:rows] for t in run.batches[0])
+    grads = []
+    for accum in (BASELINE["accum"], 1):
+        accumulate(model, x, y, accum, bf16=False)
+        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
+        raw.zero_grad(set_to_none=True)
+    return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
+
 def train(setup, run, steps):
-    """A rung: WARMUP steps, `steps` timed in windows of one step (the host reads each loss) or
-    WINDOW steps, NVML energy around them, one profiled step. With DDP each process trains on
-    its share of every batch's rows; without, each on all of them."""
+    """A rung: WARMUP steps; `steps` timed in windows of one step (the host reads each loss)
+    or WINDOW steps, NVML's energy around them; one profiled step. Under DDP each process
+    trains its rows of every batch."""
     torch.set_float32_matmul_precision(("highest", "high")[setup["tf32"]])
     raw, model = build(setup, run)
     opt = raw.configure_optimizer(lr=6e-4, weight_decay=0.1, fused=setup["fused"])
-    world, rows, window, losses = 1, slice(None), min(WINDOW, steps), []
+    world, rows, window, losses = 1, slice(None), 1, []
     if setup["ddp"]:
         world, rows = run.world, run.rows
-    if setup["host_sync"]:
-        window = 1
+    if not setup["host_sync"]:
+        window = min(WINDOW, steps)
 
     def optimizer_steps(count):
         for _ in range(count):
@@ -347,14 +348,6 @@ def train(setup, run, steps):
 
     if run.gpu:
         torch.cuda.reset_peak_memory_stats(run.device)
-    backend = contextlib.nullcontext()
-    if setup["cudnn"] and run.gpu:  # SDPA may use cuDNN's kernel only (compiled in, too)
-        backend = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
-    with backend:
-        return timed(setup, run, steps, optimizer_steps, losses, window, rows, world)
-
-def timed(setup, run, steps, optimizer_steps, losses, window, rows, world):
-    """train's measurement: warm-up, timed windows with NVML energy, one profiled step."""
     first = bench(lambda: optimizer_steps(1), run.device, reps=WARMUP, warmup=0)[2]
     joules, reps = run.energy and -run.energy(), math.ceil(steps / window)
     median, fastest, slowest = (seconds / window for seconds in bench(
@@ -372,33 +365,26 @@ def timed(setup, run, steps, optimizer_steps, losses, window, rows, world):
                 activation_bytes=activation_bytes(config(run, setup), len(x) // setup["accum"],
                                                   bf16=setup["bf16"]))  # predicted (model_torch)
 
-def accumulation_error(run, rows=4):
-    """The gradient the training step accumulates over 4 micro-batches against the full batch's
-    (fp32 baseline, before any optimizer step): their relative difference."""
-    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot to
-    # divide by the micro-batch count would be off by 3x - and AdamW's update would hide it.
-    torch.set_float32_matmul_precision("highest")
-    raw, model = build(BASELINE, run)
-    x, y = (t[:rows] for t in run.batches[0])
-    grads = []
-    for accum in (BASELINE["accum"], 1):
-        accumulate(model, x, y, accum, bf16=False)
-        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
-        raw.zero_grad(set_to_none=True)
-    return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
-
 def keeps(change, run):
-    """Measure -> fix -> re-measure: a fix for a regime this device is not in is not kept."""
-    gpu_only = change.get("bf16") or change.get("cudnn")  # a CPU has neither bf16 units nor cuDNN
-    return not change.get("checkpoint") and (run.gpu or not gpu_only)
+    """Measure -> fix -> re-measure: a fix for a regime this device is not in is measured, then
+    not carried forward: checkpointing (memory does not bind here), and bf16 autocast on a CPU
+    (no bf16 matmul units: its bf16 matmuls run 10-20x slower than fp32)."""
+    return not change.get("checkpoint") and (run.gpu or not change.get("bf16"))
+
+def final_setup(run):
+    """The last single-device configuration: every rung this device keeps."""
+    kept = [change for _, change, _ in RUNGS[:-2] if keeps(change, run)]
+    return {key: value for change in [BASELINE] + kept for key, value in change.items()}
 
 def measure(name, why, setup, run, base=None, steps=None):
     """Train one rung (or say why not), derive its numbers, print them in one line; base: the
     rung its speed-up and loss gap are measured against (default: itself)."""
     print(f"{name}: predicted {why}", flush=True)
     if setup["ddp"] and run.world == 1:
-        print(f"   skipped: {run.ddp_hint}")
-        return dict(name=name, skipped=run.ddp_hint, kept=False)
+        hint = ("they need one process per GPU: torchrun --standalone --nproc_per_node=2 "
+                "07_capstone_torch.py (CPU ranks: --device cpu)")
+        print(f"   skipped: {hint}")
+        return dict(name=name, skipped=hint, kept=False)
     if steps is None:
         steps = run.sizes["steps"] if setup["compile"] else run.sizes["eager_steps"]
     r = dict(name=name, **train(setup, run, steps))
@@ -428,41 +414,38 @@ def fmt(value, spec=""):
         return ("no", "yes")[value]
     return format(value, spec)
 
-def final_setup(run):
-    """The last single-device configuration: every rung that this device keeps."""
-    final = dict(BASELINE)
-    for _, change, _ in RUNGS[:-2]:
-        if keeps(change, run):
-            final.update(change)
-    return final
-
 def waterfall(run):
-    """The accumulation check, then each rung's change on top of what the rungs before kept.
-    Under torchrun: the final single-device configuration on every GPU alone, then DDP."""
+    """The accumulation check, then each rung's change on top of what the rungs before kept;
+    under torchrun, the final single-device rung on each GPU alone, then the DDP rungs."""
     error = accumulation_error(run)
     print(f"measured: gradient accumulated over {BASELINE['accum']} micro-batches vs the full "
           f"batch: relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})\n{HEADER}")
-    todo = RUNGS
-    if run.world > 1:  # each GPU alone (no communication): the reference for the scaling
-        todo = [("final rung, each GPU alone", final_setup(run), "the rate DDP scales")] + RUNGS[-2:]
-    rungs, kept = [], BASELINE
+    rungs, kept, todo = [], BASELINE, RUNGS
+    if run.world > 1:
+        # PREDICTION: alone, each GPU trains the whole batch in `world` micro-batches, each one
+        # DDP rank's share: the same math as DDP (the same losses, to rounding), the same work
+        # per GPU. DDP's tokens/s over world x this rate then leaves what DDP adds: all-reduce
+        # not hidden under backward, and each rank's own optimizer step (alone: one a batch).
+        kept, todo = final_setup(run), RUNGS[-2:]
+        why = f"the batch in {run.world} micro-batches, one rank's share each: DDP's reference"
+        rungs.append(measure("final rung, each GPU alone", why, dict(kept, accum=run.world), run))
     for name, change, why in todo:
         rungs.append(measure(name, why, {**kept, **change}, run, rungs and rungs[0]))
         if rungs[-1]["kept"]:
             kept = {**kept, **change}
-    done, alone = [r for r in rungs if "loss" in r], rungs[-3]
+    done = [r for r in rungs if "loss" in r]
     checks = dict(accumulated_gradient_equals_full_batch=error <= ACCUM_TOLERANCE,
                   losses_track_baseline=all(r["loss_rel_diff"] <= TOLERANCE for r in done),
                   time_split_adds_up=all(min(r["profile"].values()) >= 0 for r in done))
-    if run.world == 1:  # the checkpointing rung against the last kept rung before it
-        memory = "peak_mem_bytes"  # measured on a GPU; on a CPU, the predicted activations
-        if not run.gpu:
-            memory = "activation_bytes"
-        alone = [r for r in rungs[:-3] if r["kept"]][-1]
-        checks["checkpointing_lowers_memory"] = rungs[-3][memory] < alone[memory]
-    for rung in [r for r in rungs[-2:] if "loss" in r]:  # over N x one GPU's tokens/s alone
-        rung["scaling"] = rung["tokens_per_s"] / (run.world * alone["tokens_per_s"])
-        print(f"derived: {rung['name']}: scaling {rung['scaling']:.1%} of {run.world} x one GPU")
+    if run.world == 1:  # checkpointing against the last kept rung: measured memory on a GPU,
+        memory = ("activation_bytes", "peak_mem_bytes")[run.gpu]  # predicted on a CPU
+        before = [r for r in rungs[:-3] if r["kept"]][-1]
+        checks["checkpointing_lowers_memory"] = rungs[-3][memory] < before[memory]
+    for rung in done[1:]:  # under torchrun: the DDP rungs against world x one GPU alone
+        if rung["world_size"] > 1:
+            rung["scaling"] = rung["tokens_per_s"] / (run.world * done[0]["tokens_per_s"])
+            print(f"derived: {rung['name']}: scaling {rung['scaling']:.1%} of {run.world} x "
+                  "one GPU alone")
     return dict(rungs=rungs, accumulation_rel_diff=error, loss_tolerance=TOLERANCE, checks=checks)
 
 def headline(run):
@@ -470,65 +453,63 @@ def headline(run):
     from one init on the same batches: loss against step, and against wall-clock."""
     # PREDICTION: the curves lie on each other (rounding: within ~1% at every step) while the
     # final rung is ~10x faster per step on a GPU, ~1.5x on a CPU; its compile is paid once.
-    final, steps = final_setup(run), run.sizes["headline_steps"]
+    steps = run.sizes["headline_steps"]
     print(HEADER)
     base = measure(*RUNGS[0][::2], BASELINE, run, steps=steps)
-    last = measure("final rung (every rung kept)", "the same curve, ~10x sooner", final, run,
-                   base, steps)
+    last = measure("final rung (every rung kept)", "the same curve, ~10x sooner",
+                   final_setup(run), run, base, steps)
     gap, ratio = last["loss_rel_diff"], base["ms_per_step"] / last["ms_per_step"]
-    print(f"measured: largest relative loss gap over {len(base['losses'])} steps {gap:.2%} "
-          f"(tolerance {HEADLINE_TOLERANCE:.0%})")
-    print(f"derived: the final rung is {ratio:.1f}x faster per step (its compile, "
-          f"{last['compile_s']:.0f} s, is left off the wall-clock axis)")
-    return dict(steps=len(base["losses"]), rungs=[base, last], largest_loss_gap=gap,
-                tolerance=HEADLINE_TOLERANCE, time_ratio=ratio,
+    count = len(base["losses"])  # with the warm-up and the profiled steps
+    print(f"measured: largest relative loss gap over {count} steps {gap:.2%} (tolerance "
+          f"{HEADLINE_TOLERANCE:.0%})\nderived: the final rung is {ratio:.1f}x faster per step "
+          f"(its compile, {last['compile_s']:.0f} s, is left off the wall-clock axis)")
+    return dict(steps=count, rungs=[base, last], largest_loss_gap=gap, time_ratio=ratio,
+                tolerance=HEADLINE_TOLERANCE,
                 checks=dict(headline_losses_track=gap <= HEADLINE_TOLERANCE))
 
-def plot(name, draw, out, result):
-    """Two panels side by side, drawn by draw(left, right, result), saved as out/name.png."""
+def plot(result, out, headline):
+    """Two panels: the waterfall's tokens/s and where each step's time goes, or the headline's
+    loss against step and against wall-clock; saved as out/07_capstone_torch[_headline].png."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return print("figure skipped (no matplotlib)")
-    fig, panels = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
-    draw(*panels, result)
-    fig.tight_layout()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
+    done, name = [r for r in result["rungs"] if "loss" in r], "07_capstone_torch"
+    if headline:
+        name += "_headline"
+        for r in done:
+            steps = np.arange(1, len(r["losses"]) + 1)
+            left.plot(steps, r["losses"], label=r["name"])
+            right.plot(steps * r["ms_per_step"] / 1e3, r["losses"])
+        left.set(xlabel="optimizer step", ylabel="training loss (measured)",
+                 title=f"the same curve: largest gap {result['largest_loss_gap']:.2%}")
+        right.set(xlabel="wall-clock s (steps x measured median step; compile left out)",
+                  xscale="log", title=f"{result['time_ratio']:.1f}x apart")
+        left.legend()
+    else:
+        names, stacked = [r["name"] for r in done], np.zeros(len(done))
+        bars = left.barh(names, [r["tokens_per_s"] for r in done],
+                         color=[("tab:red", "tab:blue")[r["kept"]] for r in done])
+        left.bar_label(bars, [f"{r['speedup']:.1f}x" for r in done], fontsize=8)
+        left.set(xlabel="tokens/s (measured)", title="speed-up over the first rung (red: dropped)")
+        left.invert_yaxis()
+        for cls in CLASSES:
+            share = np.array([r["profile"][cls] / r["profile_step_s"] for r in done])
+            right.barh(names, share, left=stacked, label=cls)
+            stacked += share
+        right.set(xlabel="share of a profiled step (measured)", title="where a step's time goes",
+                  xlim=(0, 1.45))  # room for the legend
+        right.legend(fontsize=8, loc="center right")
     path, tmp = Path(out) / f"{name}.png", Path(out) / f"{name}.tmp{os.getpid()}.png"
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
     fig.savefig(tmp, dpi=120)
     plt.close(fig)
     os.replace(tmp, path)
     print(f"figure: {path}")
-
-def draw_waterfall(speed, split, result):
-    done = [r for r in result["rungs"] if "loss" in r]
-    where, left = range(len(done)), np.zeros(len(done))
-    bars = speed.barh(where, [r["tokens_per_s"] for r in done],
-                      color=[("tab:red", "tab:blue")[r["kept"]] for r in done])
-    speed.bar_label(bars, [f"{r['speedup']:.1f}x" for r in done], fontsize=8)
-    speed.set(xlabel="tokens/s (measured)", title="speed-up over fp32 eager (red: then dropped)")
-    speed.set_yticks(where, [r["name"] for r in done])
-    speed.invert_yaxis()
-    for cls in CLASSES:
-        share = np.array([r["profile"][cls] / r["profile_step_s"] for r in done])
-        split.barh(where, share, left=left, label=cls)
-        left += share
-    split.set(xlabel="share of a profiled step (measured)", title="where a step's time goes",
-              xlim=(0, 1.45))  # room for the legend on the right
-    split.legend(fontsize=8, loc="center right")
-
-def draw_headline(by_step, by_time, result):
-    for rung, color in zip(result["rungs"], ("tab:red", "tab:blue")):
-        steps = np.arange(1, len(rung["losses"]) + 1)
-        by_step.plot(steps, rung["losses"], color=color, label=rung["name"])
-        by_time.plot(steps * rung["ms_per_step"] / 1e3, rung["losses"], color=color)
-    by_step.set(xlabel="optimizer step", ylabel="training loss (measured)",
-                title=f"the same curve: largest gap {result['largest_loss_gap']:.2%}")
-    by_time.set(xlabel="wall-clock s (steps x measured median step; compile left out)",
-                xscale="log", title=f"{result['time_ratio']:.1f}x apart")
-    by_step.legend()
 
 def prepare(args, device, rank=0, world=1):
     """What every rung shares: sizes, batches, one init, the peaks; the first lines printed."""
@@ -540,24 +521,22 @@ def prepare(args, device, rank=0, world=1):
         sys.exit(f"error: {batch} sequences per step do not split into {world} equal shares")
     run = SimpleNamespace(device=device, gpu=gpu, sizes=sizes, world=world, datasheet=None,
                           rows=slice(rank * batch // world, (rank + 1) * batch // world),
-                          device_ids=None, energy=None, backend="inductor", compiled_cudnn=None,
-                          ddp_hint="they need one process per GPU: torchrun --standalone "
-                          "--nproc_per_node=2 07_capstone_torch.py (CPU ranks: --device cpu)")
+                          device_ids=None, energy=None, backend="inductor")
     name, memory, n, dtype = platform.machine(), f"{os.cpu_count()} cores", 1024, torch.float32
     if gpu:
         name, n, dtype = torch.cuda.get_device_name(device), 8192, torch.bfloat16
         memory = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
         run.datasheet, run.device_ids = datasheet_bf16_peak(name), [device.index]
         run.energy = energy_meter(device)
-    if args.quick and not gpu:  # dynamo captures the graphs and runs them eagerly: the tests
-        run.backend = "eager"  # check capture and math (inductor's C++ build takes minutes)
+    if args.quick and not gpu:  # the tests: dynamo captures the graphs, runs them eagerly
+        run.backend = "eager"  # (inductor's C++ build takes minutes)
+    torch._dynamo.reset()  # every run compiles afresh: no graph kept from an earlier run
     print(f"device: {name}, {memory} | torch {torch.__version__} | python "
           f"{platform.python_version()} | compile backend {run.backend}")
     shipped = config(run, dict(BASELINE, vocab=50257))  # GPT-2 as shipped: the FLOPs that count
     tokens, tokenizer = load_tokens(args.data, shipped.block_size + 2)
-    count = WARMUP + 1 + sizes["headline_steps"]  # the most steps a rung takes
-    run.batches = [tuple(torch.from_numpy(a).to(device) for a in get_batch(
-        tokens, i, batch, shipped.block_size)) for i in range(count)]
+    run.batches = [tuple(torch.from_numpy(a).to(device) for a in get_batch(tokens, i, batch,
+                   shipped.block_size)) for i in range(WARMUP + 1 + sizes["headline_steps"])]
     torch.manual_seed(0)  # one init for every rung (vocab 50304; GPT-2's rows are its prefix)
     run.init_state = GPT(config(run, dict(BASELINE, vocab=50304))).state_dict()
     run.peak = burst_peak(device, dtype, n, (10, 3)[args.quick])
@@ -583,10 +562,12 @@ def main(argv=None):
     torch._inductor.config.force_disable_caches = True  # every compile cold: its time is true
     torch._inductor.config.cpp.enable_kernel_profile = True  # CPU kernels named in the profile
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # one each
+    if args.device == "cuda" and not gpus:
+        sys.exit("error: --device cuda: fewer CUDA GPUs here than processes (one GPU each)")
     start, device = time.perf_counter(), torch.device("cpu")
     own_log = "NCCL_DEBUG_FILE" not in os.environ  # this process's NCCL log: removed at the end
-    if args.device != "cpu" and torch.cuda.device_count() >= int(os.environ.get(
-            "LOCAL_WORLD_SIZE", 1)):  # one GPU per process on this node
+    if args.device != "cpu" and gpus:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         use_interconnect(args.interconnect)
@@ -605,12 +586,7 @@ def main(argv=None):
                 transport = f"NCCL reports {nccl_transport()}"
             print(f"interconnect: {args.interconnect} ({world} processes); {transport}")
             result.update(world_size=world, interconnect=args.interconnect, transport=transport)
-        if args.headline:
-            result.update(headline(run))
-            figure = ("07_capstone_torch_headline", draw_headline)
-        else:
-            result.update(waterfall(run))
-            figure = ("07_capstone_torch", draw_waterfall)
+        result.update((waterfall, headline)[args.headline](run))
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -621,7 +597,7 @@ def main(argv=None):
         print(f"check {check}: {('FAILED', 'ok')[ok]}")
     print(f"wall time: {result['wall_s']:.0f} s")
     if rank == 0:
-        plot(*figure, args.out, result)
+        plot(result, args.out, args.headline)
     if args.json and rank == 0:
         write_json(args.json, result)
     failed = [check for check, ok in result["checks"].items() if not ok]
