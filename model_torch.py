@@ -156,7 +156,9 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
                   dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+        # fused=False would also turn off torch's default on a GPU, foreach (a few kernels per
+        # update for all tensors at once), for a Python loop over the parameters: pass None
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
 
 
 # ---------------------------------------------------------------------------------------
