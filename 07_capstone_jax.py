@@ -7,7 +7,7 @@ the speed, not the math); the JAX profiler splits each rung's step by kernel cla
     python 07_capstone_jax.py               # one GPU: gpt2 (124M, T=1024), ~5 min
     python 07_capstone_jax.py --headline    # first jitted vs final rung, 100 steps each, ~2 min
     python 07_capstone_jax.py --scaling     # the final rung on one device, then on all of them
-    python 07_capstone_jax.py --device cpu  # the tiny preset, a few minutes on 2 cores
+    python 07_capstone_jax.py --device cpu  # the tiny preset, ~2 min on 2 cores
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python 07_capstone_jax.py --device cpu --quick
 
 Where the frameworks diverge: "compile" is jax.jit of the whole step (forward, backward, AdamW);

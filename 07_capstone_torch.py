@@ -7,7 +7,7 @@ the speed changes, the losses must not. torch.profiler says where each rung's st
     python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps each, ~2 min
     OMP_NUM_THREADS=8 torchrun --standalone --nproc_per_node=2 07_capstone_torch.py
         [--interconnect staged]               # each GPU the final rung alone, then DDP
-    python 07_capstone_torch.py --device cpu  # the tiny preset, ~2.5 min on 2 cores
+    python 07_capstone_torch.py --device cpu  # the tiny preset, ~70 s on 2 cores
     python 07_capstone_torch.py --quick       # a step or two per rung (the tests)
 
 Per rung: ms/step, tokens/s, MFU (6N + 12LTd FLOPs per token over the datasheet bf16 peak and
