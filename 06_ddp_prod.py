@@ -1,20 +1,13 @@
-"""
-Section 13.6: production data parallelism, two philosophies (copy with model_torch.py and
-model_jax.py). PyTorch, one process per device: [1] DDP ends where 05's hand-rolled data
-parallelism ends; [2] their step times and a bucket_cap_mb sweep; [3] the communication hidden
-under backward; [4] no_sync, the right loop and the trap; [5] FSDP2. JAX, one process for all
-devices: a 'data' Mesh, the all-reduce jit inserts, the parameters sharded too. Expect a line
-per number and "checks: ALL PASSED" (--quick on a CPU: ~10 s); --out: the default buckets'
-profiler trace, 06_ddp_trace_<interconnect>.json (open it at ui.perfetto.dev).
-  OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 06_ddp_prod.py  # CPU: 4 gloo ranks
-  torchrun --standalone --nproc_per_node=2 06_ddp_prod.py [--interconnect staged]  # 2 GPUs
-  python 06_ddp_prod.py  # JAX: every GPU, or 4 simulated CPU devices; N of them with
-  XLA_FLAGS=--xla_force_host_platform_device_count=N
-staged: NCCL without peer-to-peer, every GPU-to-GPU byte through host memory (a PCIe box).
-Past one machine: torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 ... on
-each; JAX: each machine's process first calls jax.distributed.initialize("HOST:1234",
-num_processes=2, process_id=i) (not done here).
-"""
+"""Section 13.6: production data parallelism, two philosophies. PyTorch, a process per device:
+DDP against 05's hand-rolled version, its buckets, overlap with backward, no_sync, FSDP2. JAX,
+one process for every device: a 'data' Mesh, the collectives jit inserts, sharded parameters.
+Copy with model_torch.py and model_jax.py. Expect a line per number and "checks: ALL PASSED"
+(--quick on a CPU: ~10 s); in --out, a profiler trace to open at ui.perfetto.dev.
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 06_ddp_prod.py  # 4 gloo ranks
+    torchrun --standalone --nproc_per_node=2 06_ddp_prod.py --interconnect staged  # 2 GPUs, no P2P
+    python 06_ddp_prod.py  # JAX: all GPUs, else 4 CPU devices (XLA_FLAGS sets N)
+Past one machine: torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 ... on each;
+JAX: jax.distributed.initialize("HOST:1234", num_processes=2, process_id=i) first in each."""
 
 import argparse, copy, dataclasses, datetime, gc, json, os, re, statistics, sys, tempfile, time
 import warnings
@@ -38,9 +31,9 @@ NO_NCCL = "no NCCL here: the flag changes nothing"
 # rows per rank (JAX: device); `passes` turns, each a median of `reps` steps; bucket_cap_mb swept
 Plan = namedtuple("Plan", "config batch seq_len passes reps caps")
 
-def make_plan(quick, gpu):
+def make_plan(quick, gpu, gpu_batch=8):
     if gpu:
-        return Plan(GPTConfig.preset("gpt2"), 8, 1024, 7, 5, (1, 5, 25, None, 100, 1000))
+        return Plan(GPTConfig.preset("gpt2"), gpu_batch, 1024, 7, 5, (1, 5, 25, None, 100, 1000))
     if quick:  # 1 layer, a small vocabulary: a smoke run, not a measurement
         tiny = GPTConfig.preset("tiny", n_layer=1, block_size=64, vocab_size=4096)
         return Plan(tiny, 2, 64, 2, 1, (0.25, None))
@@ -79,7 +72,7 @@ def nccl_transport():
     return ", ".join(sorted(set(re.findall(r" via (\S+)", text)))) or "not reported"
 
 def sync(device):
-    if device.type == "cuda":  # JAX's timed functions block on their own results
+    if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 def bench(fn, device, reps=10, warmup=3):
@@ -97,9 +90,8 @@ def bench(fn, device, reps=10, warmup=3):
     return statistics.median(times), min(times), max(times)
 
 def interleaved(variants, against, device, passes, reps):
-    """Time the variants in turns (A B C, A B C, ...), the slowest rank's median of reps steps:
-    name saves the median of its per-turn differences to against[name], resolved when their
-    IQR excludes zero."""
+    """Time the variants in turns (A B C, A B C, ...), the slowest rank's median of reps steps;
+    saves: the median per-turn difference to against[name], resolved if its IQR excludes 0."""
     samples = {name: [] for name in variants}
     for _ in range(passes):
         for name, fn in variants.items():
@@ -108,12 +100,11 @@ def interleaved(variants, against, device, passes, reps):
                 dist.all_reduce(ms, op=dist.ReduceOp.MAX)
             samples[name].append(ms.item())
     result = {}
-    for name, mine in samples.items():
-        q1, median, q3 = statistics.quantiles(mine, n=4, method="inclusive")
-        result[name] = dict(median_ms=median, q1_ms=q1, q3_ms=q3,
-                            unreliable=max(mine) - min(mine) > median)
+    for name, ms in samples.items():
+        q1, mid, q3 = statistics.quantiles(ms, n=4, method="inclusive")
+        result[name] = dict(median_ms=mid, q1_ms=q1, q3_ms=q3, unreliable=max(ms) - min(ms) > mid)
         if name in against:
-            diffs = [b - a for a, b in zip(mine, samples[against[name]])]
+            diffs = [b - a for a, b in zip(ms, samples[against[name]])]
             d1, saved, d3 = statistics.quantiles(diffs, n=4, method="inclusive")
             result[name].update(against=against[name], saves_ms=saved,
                                 saves_iqr_ms=(d1, d3), resolved=d1 > 0 or d3 < 0)
@@ -129,34 +120,23 @@ def said(t):  # an interleaved() result, as text
         text += f"{verdict[t['resolved']]})"
     return text
 
-def header(args, plan, machine, versions, transport, per):  # the first lines; the JSON's head
-    (name, memory), config = machine, plan.config
+def header(args, plan, name, memory, versions, transport, per):
     print(f"device: {name}, {memory / 2**30:.0f} GiB | {versions}")
     print(f"interconnect: {args.interconnect}; NCCL reports: {transport}")
-    print(f"model: {config.n_layer} layers, d {config.n_embd}, vocab {config.vocab_size}, "
-          f"{plan.batch} x {plan.seq_len} tokens per {per}")
+    print(f"model: {plan.config.n_layer} layers, d {plan.config.n_embd}, vocab "
+          f"{plan.config.vocab_size}, {plan.batch} x {plan.seq_len} tokens per {per}")
     return dict(lesson="06_ddp_prod", framework=args.framework, quick=args.quick,
                 device=dict(name=name, versions=versions),
                 interconnect=dict(name=args.interconnect, transport=transport),
-                model=dict(dataclasses.asdict(config), batch=plan.batch, seq_len=plan.seq_len))
-
-def finish(result, args, speaks):
-    failed = [name for name, ok in result["checks"].items() if not ok]
-    print("checks:", f"FAILED {failed}" if failed else "ALL PASSED")
-    if args.json and speaks:
-        write_json(args.json, result)
-    return not failed
-
-# ==== PyTorch: one process per device, explicit collectives ====
+                model=dict(vars(plan.config), batch=plan.batch, seq_len=plan.seq_len))
 
 def loss_of(model, x, y, amp, micro_steps=1):
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         return model(x, y)[1] / micro_steps  # equal micro-batches: sum of k losses / k = mean
 
 def train_step(model, opt, x, y, amp, handrolled=False):
-    loss = loss_of(model, x, y, amp)
     opt.zero_grad(set_to_none=True)
-    loss.backward()  # DDP (and FSDP2): the module's hooks run the collectives inside backward
+    loss_of(model, x, y, amp).backward()  # DDP, FSDP2: the module's hooks run the collectives
     if handrolled:  # 05's way: the whole backward first, then every gradient: nothing overlaps
         for p in model.parameters():
             dist.all_reduce(p.grad.div_(dist.get_world_size()))
@@ -165,9 +145,8 @@ def train_step(model, opt, x, y, amp, handrolled=False):
 def with_adamw(model):
     return model, getattr(model, "module", model).configure_optimizer(lr=LR)
 
-def max_diff(tensors_a, tensors_b):  # the largest |a - b| over all tensors and ranks
-    value = torch.stack([(a.detach().float() - b.detach().float()).abs().max()
-                         for a, b in zip(tensors_a, tensors_b)]).max().double()
+def max_diff(xs, ys):  # the largest |x - y| of all tensors and ranks
+    value = max((x.detach() - y.detach()).abs().max() for x, y in zip(xs, ys)).double()
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
 
@@ -184,57 +163,53 @@ def exp_same_math(base, batches, device):
     from torch.distributed.fsdp import fully_shard  # FSDP2: public since torch 2.6; gloo works
     sharded = copy.deepcopy(base)
     mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in sharded.transformer.h:
-        fully_shard(block, mesh=mesh)  # one all-gather unit per block
-    fully_shard(sharded, mesh=mesh)  # the rest (embeddings = tied head, ln_f) at the root
-    hand, ddp = with_adamw(copy.deepcopy(base)), with_adamw(DDP(copy.deepcopy(base)))
-    fsdp = with_adamw(sharded)
+    for unit in [*sharded.transformer.h, sharded]:  # an all-gather unit per block, then the rest
+        fully_shard(unit, mesh=mesh)  # (embeddings = the tied head, ln_f) at the root
+    hand, ddp, fsdp = map(with_adamw, (copy.deepcopy(base), DDP(copy.deepcopy(base)), sharded))
     for x, y in batches:
         for model, opt in (hand, ddp, fsdp):
             train_step(model, opt, x, y, amp=False, handrolled=model is hand[0])
-    gathered = [p.full_tensor() for p in sharded.parameters()]  # all-gathered from the shards
     full, shard = state_bytes(ddp[0].module, ddp[1]), state_bytes(*fsdp)
-    steps, ddp_params = len(batches), list(ddp[0].parameters())
-    return (dict(steps=steps, max_abs_param_diff=max_diff(hand[0].parameters(), ddp_params)),
-            dict(steps=steps, max_abs_param_diff=max_diff(ddp_params, gathered),
-                 replicated_bytes=full, sharded_bytes=shard, sharded_over_replicated=shard / full))
+    ddp_params, gathered = [*ddp[0].parameters()], [p.full_tensor() for p in sharded.parameters()]
+    return (dict(steps=len(batches), max_abs_param_diff=max_diff(hand[0].parameters(), ddp_params)),
+            dict(max_abs_param_diff=max_diff(ddp_params, gathered), replicated_bytes=full,
+                 sharded_bytes=shard, sharded_over_replicated=shard / full))
 
 def exp_ddp_speed(base, x, y, device, plan, amp, trace):
-    # PREDICTION, GPT-2 on two GPUs: 498 MB of fp32 gradients per rank and step against 6 x
-    # 124M x 8192 = 6 TFLOP, tens of ms in eager bf16 (H200: 989 TFLOP/s, datasheet). NVLink 4
-    # (450 GB/s each way, datasheet): 1-2 ms of all-reduce, DDP wins about that (148 calls
-    # become ~15); the bucket size barely matters, one huge bucket may even win (each bucket's
-    # copy, launch and kernel costs more than it hides). Staged through host memory (PCIe 5.0
-    # x16: 64 GB/s each way, spec, plus a host copy): 10-20 ms, like the compute: DDP hides
-    # much of it and wins clearly; tiny buckets pay a latency each, one huge bucket waits for
-    # the whole backward. CPU (gloo): ranks share the cores, DDP gains by fewer calls only.
+    # PREDICTION, GPT-2 on two GPUs: 498 MB of fp32 gradients per rank and step against 6 x 124M x
+    # 8192 = 6 TFLOP, tens of ms in eager bf16 (H200: 989 TFLOP/s, datasheet). NVLink 4 (450 GB/s
+    # each way, datasheet): 1-2 ms of all-reduce, DDP wins about that (148 calls become ~15); the
+    # bucket size barely matters, one huge bucket may even win (each bucket's copy, launch and
+    # kernel costs more than it hides). Staged through host memory (PCIe 5.0 x16: 64 GB/s each
+    # way, spec, plus a host copy): 10-20 ms, like the compute: DDP hides much of it and wins
+    # clearly; tiny buckets pay a latency each, one huge bucket waits for the whole backward.
+    # CPU (gloo): ranks share the cores, DDP gains by fewer calls only.
     caps = {"default" if cap is None else f"{cap:g} MiB": cap for cap in plan.caps}
-    hand = with_adamw(copy.deepcopy(base))
-    variants = {"hand-rolled": partial(train_step, *hand, x, y, amp, handrolled=True)}
-    for name, cap in caps.items():  # cap None: DDP's default buckets
-        ddp = with_adamw(DDP(copy.deepcopy(base), bucket_cap_mb=cap))
-        variants[name] = partial(train_step, *ddp, x, y, amp)
+    steps = {"hand-rolled": partial(train_step, *with_adamw(copy.deepcopy(base)), x, y, amp, handrolled=True)} | {
+        name: partial(train_step, *with_adamw(DDP(copy.deepcopy(base), bucket_cap_mb=cap)), x, y, amp)
+        for name, cap in caps.items()}  # cap None: DDP's default buckets
     against = {name: "default" for name in caps} | {"default": "hand-rolled"}
-    rows = interleaved(variants, against, device, plan.passes, plan.reps)
+    rows = interleaved(steps, against, device, plan.passes, plan.reps)
     for name, row in rows.items():
-        row.update(name=name, bucket_cap_mb=caps.get(name))
-        row.update(exp_overlap(variants[name], device, trace if name == "default" else None))
+        row.update(exp_overlap(steps[name], device, {"default": trace}.get(name)), name=name)
     return rows
 
 def exp_overlap(step, device, trace):
     # PREDICTION: hand-rolled hides nothing; DDP all buckets but the last. GPU: NCCL kernels
     # against the others; CPU: gloo's all-reduce (own threads) against autograd's ops.
     activity = getattr(torch.profiler.ProfilerActivity, device.type.upper())  # GPU: kernels only
-    with torch.profiler.profile(activities=[activity]) as prof:
-        for _ in range(PROFILED_STEPS):
-            step()
-        sync(device)
+    after_one = torch.profiler.schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)
+    with torch.profiler.profile(activities=[activity], schedule=after_one) as prof:
+        for _ in range(1 + PROFILED_STEPS):  # a first step unrecorded: the ranks' profilers
+            step()  # start apart, and a collective would count the wait for the later one
+            sync(device)
+            prof.step()
     comm, compute = [], []
     for e in prof.events():
         kernel = e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
         span = (round(e.time_range.start * 1e3), round(e.time_range.end * 1e3))  # ns: exact sums
         if (kernel and "nccl" in e.name.lower()) or e.name == "gloo:all_reduce":
-            comm.append(span)  # one per all-reduce
+            comm.append(span)
         elif kernel or e.name.startswith("autograd::engine::evaluate_function"):
             compute.append(span)
     if trace is not None:  # Chrome/Perfetto JSON, written whole or not at all
@@ -242,10 +217,9 @@ def exp_overlap(step, device, trace):
         prof.export_chrome_trace(tmp := f"{trace}.tmp{os.getpid()}")
         os.replace(tmp, trace)
     comm_ns = covered(comm)  # under backward: |comm| + |compute| - |comm or compute|
-    hidden_ns = comm_ns + covered(compute) - covered(comm + compute)
+    hidden = (comm_ns + covered(compute) - covered(comm + compute)) / max(comm_ns, 1)
     return dict(allreduce_calls_per_step=len(comm) // PROFILED_STEPS,
-                comm_ms_per_step=comm_ns / 1e6 / PROFILED_STEPS,
-                overlap_fraction=hidden_ns / max(comm_ns, 1))
+                comm_ms_per_step=comm_ns / 1e6 / PROFILED_STEPS, overlap_fraction=hidden)
 
 def covered(spans):  # the time that (start, end) spans cover, overlaps counted once
     total, reached = 0, float("-inf")
@@ -273,20 +247,19 @@ def accumulate_trap(ddp, micro, amp):
             loss.backward()
     loss_of(ddp, *micro[-1], amp, len(micro)).backward()
 
-def exp_no_sync(check_base, base, micro, device, plan, amp):
+def exp_no_sync(base, micro, device, plan, amp):
     # PREDICTION: k = 4: the trap all-reduces every backward, the right way the last only: the
     # same gradients, 3 all-reduces of every gradient saved: 3-6 ms NVLink, tens of ms staged.
     loops = dict(no_sync=accumulate_no_sync, backward_only_in_no_sync=accumulate_trap)
-    checked, timed = DDP(copy.deepcopy(check_base)), DDP(copy.deepcopy(base))  # fp32; autocast
-    grads = []
-    for loop in loops.values():
-        loop(checked, micro, False)
-        grads.append([p.grad.clone() for p in checked.parameters()])
+    ddp, grads = DDP(copy.deepcopy(base)), []
+    for loop in loops.values():  # the gradients in fp32
+        loop(ddp, micro, False)
+        grads.append([p.grad.clone() for p in ddp.parameters()])
     result = dict(k=len(micro), max_abs_grad_diff=max_diff(*grads),
                   max_abs_grad=max(g.abs().max().item() for g in grads[0]))
-    variants = {name: partial(loop, timed, micro, amp) for name, loop in loops.items()}
-    against = dict(no_sync="backward_only_in_no_sync")
-    for name, row in interleaved(variants, against, device, plan.passes, 1).items():
+    variants = {name: partial(loop, ddp, micro, amp) for name, loop in loops.items()}
+    trap_first = dict(no_sync="backward_only_in_no_sync")
+    for name, row in interleaved(variants, trap_first, device, plan.passes, 1).items():
         counted = exp_overlap(variants[name], device, None)  # after the timing: buckets settled
         result[name] = dict(row, allreduce_calls=counted["allreduce_calls_per_step"])
     return result
@@ -300,38 +273,26 @@ def run_torch(args):  # NCCL on GPU LOCAL_RANK if every rank on this machine has
     elif args.device == "cuda":
         sys.exit("error: --device cuda: fewer GPUs than ranks on this machine; use --device cpu")
     use_interconnect(args.interconnect)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        dist.all_reduce(torch.ones(1, device=device))  # the first collective: NCCL connects now
-        sync(device)
-        transport = nccl_transport() if backend == "nccl" else NO_NCCL
-        return torch_lesson(args, device, machine, transport)
-    finally:  # on every path: free the models (and the work objects DDP keeps) while the
-        gc.collect()  # process group lives, then end it, so that no rank aborts at exit
-        dist.destroy_process_group()
-
-def torch_lesson(args, device, machine, transport):
-    rank, world, cuda = dist.get_rank(), dist.get_world_size(), device.type == "cuda"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))  # main ends it
+    dist.all_reduce(torch.ones(1, device=device))  # the first collective: NCCL connects now
+    sync(device)
+    rank, world, cuda = dist.get_rank(), dist.get_world_size(), backend == "nccl"
     plan, trace = make_plan(args.quick, cuda), Path(args.out, f"06_ddp_trace_{args.interconnect}.json")
     if rank != 0:
         sys.stdout, trace = open(os.devnull, "w"), None  # one rank speaks and writes
     torch.manual_seed(0)  # the same weights on every rank (DDP would broadcast rank 0's anyway)
     base = GPT(plan.config).to(device)
-    torch.manual_seed(0)  # the same weights for the fp32 checks, with deterministic attention
-    check_base = GPT(dataclasses.replace(plan.config, attn="manual")).to(device)
+    check_base = GPT(dataclasses.replace(plan.config, attn="manual")).to(device)  # deterministic
     shape = (MICRO_STEPS, plan.batch * world, plan.seq_len + 1)  # the same on every rank
     tokens = torch.randint(plan.config.vocab_size, shape, generator=torch.Generator().manual_seed(1))
-    micro = [(t[:, :-1], t[:, 1:]) for t in tokens[:, rank::world].to(device)]  # its rows
-    versions = f"torch {torch.__version__} | {world} ranks, backend {dist.get_backend()}"
-    r = header(args, plan, machine, versions, transport, "rank")
-    r.update(world_size=world, backend=dist.get_backend())
-    print(f"timing {len(plan.caps) + 1} variants in {plan.passes} turns, and profiling them; "
-          "then no_sync and FSDP2 (GPT-2 on GPUs: about a minute)")
+    micro = [(t[:, :-1], t[:, 1:]) for t in tokens[:, rank::world].to(device)]
+    versions = f"torch {torch.__version__} | {world} ranks, backend {backend}"
+    r = header(args, plan, *machine, versions, nccl_transport() if cuda else NO_NCCL, "rank")
     eq, fsdp = exp_same_math(check_base, micro[:3], device)
     rows = exp_ddp_speed(base, *micro[0], device, plan, cuda, trace)
-    hand, ns = rows.pop("hand-rolled"), exp_no_sync(check_base, base, micro, device, plan, cuda)
-    print(f"[1] DDP vs hand-rolled after {eq['steps']} AdamW steps (fp32): max |param diff| "
-          f"{eq['max_abs_param_diff']:.2e} (measured; tolerance {PARAM_TOL:.0e})")
+    hand, ns = rows.pop("hand-rolled"), exp_no_sync(base, micro, device, plan, cuda)
+    print(f"[1][5] max |param diff| after {eq['steps']} AdamW steps (fp32, measured): DDP vs hand-"
+          f"rolled {eq['max_abs_param_diff']:.2e}, FSDP2 vs DDP {fsdp['max_abs_param_diff']:.2e}")
     for row in [hand, *rows.values()]:
         print(f"[2] {row['name']:>11}: {row['allreduce_calls_per_step']:3d} all-reduces/step "
               f"(counted), {said(row)}")
@@ -342,70 +303,59 @@ def torch_lesson(args, device, machine, transport):
               f"micro-batches (counted), {said(ns[name])}")
     print(f"[4] gradients, no_sync vs the trap (which syncs every micro-batch): max |diff| "
           f"{ns['max_abs_grad_diff']:.2e} of max |grad| {ns['max_abs_grad']:.2e} (measured)")
-    print(f"[5] FSDP2 vs DDP after {fsdp['steps']} steps (fp32): max |param diff| "
-          f"{fsdp['max_abs_param_diff']:.2e} (measured)")
-    print(f"[5] params + grads + AdamW state per rank: replicated {fsdp['replicated_bytes'] / 2**20:.2f}"
-          f" MiB, sharded {fsdp['sharded_bytes'] / 2**20:.2f} MiB ({fsdp['sharded_over_replicated']:.3f}"
-          f"; 1/N = {1 / world:.3f}; measured)")
-    if trace is not None:
-        print(f"trace of the default buckets, {PROFILED_STEPS} steps (ui.perfetto.dev): {trace}")
+    print(f"[5] params + grads + AdamW state per rank: replicated {fsdp['replicated_bytes'] / 2**20:.2f} "
+          f"MiB, FSDP2 {fsdp['sharded_bytes'] / 2**20:.2f} MiB (1/N = {1 / world:.3f}; measured)")
+    print(f"trace of the default buckets, {PROFILED_STEPS} steps (ui.perfetto.dev): {trace}")
     calls, trap = ns["no_sync"]["allreduce_calls"], ns["backward_only_in_no_sync"]["allreduce_calls"]
-    r.update(equivalence=eq, step_time=dict(handrolled=hand, ddp=rows["default"]), no_sync=ns,
-             bucket_sweep=list(rows.values()), fsdp=fsdp, checks=dict(
+    r.update(world_size=world, backend=backend, equivalence=eq, no_sync=ns, fsdp=fsdp,
+             step_time=dict(handrolled=hand, ddp=rows["default"]), bucket_sweep=list(rows.values()))
+    r["checks"] = dict(
         ddp_equals_handrolled=eq["max_abs_param_diff"] < PARAM_TOL,
         no_sync_grads_equal=ns["max_abs_grad_diff"] <= 1e-5 * ns["max_abs_grad"],
-        no_sync_allreduces_once=calls == rows["default"]["allreduce_calls_per_step"],  # as in [2]
+        no_sync_allreduces_once=calls == rows["default"]["allreduce_calls_per_step"],
         trap_allreduces_every_backward=trap == ns["k"] * calls,
         fsdp_matches_ddp=fsdp["max_abs_param_diff"] < PARAM_TOL,
-        fsdp_bytes_about_1_over_n=abs(fsdp["sharded_over_replicated"] * world - 1) < 0.05))
-    return finish(r, args, rank == 0)
-
-# ==== JAX: one process drives every device; the compiler inserts the collectives ====
-
-def described(text, leaves, n, device):
-    """The collectives in a compiled program's text; the state's bytes on one device, measured
-    from its shards and expected from the shardings (an array split N ways: 1/N of it)."""
-    count = {k: len(re.findall(rf"\s{k}(?:-start)?\(", text)) for k in
-             ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
-    found = [ln.strip() for ln in text.splitlines() if re.search(r"\sall-reduce(?:-start)?\(", ln)]
-    total = sum(a.nbytes for a in leaves)
-    split = sum(a.nbytes for a in leaves if not a.sharding.is_fully_replicated)
-    mine = sum(s.data.nbytes for a in leaves for s in a.addressable_shards if s.device == device)
-    return dict(collectives=count, allreduce_example=(found + [""])[0][:150],
-                state_bytes_per_device=mine, expected_bytes_per_device=total - split + split // n,
-                sharded_share=split / total)
+        fsdp_bytes_about_1_over_n=abs(fsdp["sharded_over_replicated"] * world - 1) < 0.05)
+    return r, rank == 0
 
 def exp_jax(jax, step, state, data, plan):
     # PREDICTION: data parallel: a replicated parameter's gradient over a sharded batch is a
     # sum over the shards: XLA inserts an all-reduce, the losses equal one device's. Sharded
     # params: all-gathers, reduce-scatters, 1/N of the bytes. One device does the rows of N:
     # ~2x over NVLink (1-2 ms of all-reduce), less staged (10-20 ms), none simulated on a CPU.
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
-    n, one = len(jax.devices()), SingleDeviceSharding(jax.devices()[0])
-    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))  # XLA propagates
-    replicated, by_rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    first, n = jax.devices()[0], jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,))
+    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
     def split(array):  # the bridge: along the largest dimension that N divides, else replicated
         for dim in sorted(range(array.ndim), key=lambda d: -array.shape[d]):
             if array.shape[dim] % n == 0:
-                return NamedSharding(mesh, PartitionSpec(*[None] * dim, "data"))
+                return NamedSharding(mesh, P(*[None] * dim, "data"))
         return replicated
+    one = SingleDeviceSharding(first)  # per placement: (a state array's sharding, the batch's)
     layout = dict(single_device=(lambda a: one, one), data_parallel=(lambda a: replicated, by_rows),
-                  sharded_params=(split, by_rows))  # (a state array's sharding, the batch's)
+                  sharded_params=(split, by_rows))
     result, variants = {}, {}
     for name, (place, rows) in layout.items():
         shardings = jax.tree.map(place, state)
         placed = jax.device_put(state, shardings)
-        batches = [[jax.device_put(d[:, i:i + plan.seq_len], rows) for i in (0, 1)] for d in data]
-        compiled = step.lower(placed, *batches[0]).compile()
-        result[name] = described(compiled.as_text(), jax.tree.leaves(placed), n, jax.devices()[0])
-        variants[name] = partial(lambda c, a: jax.block_until_ready(c(*a)), compiled,
-                                 (placed, *batches[0]))
-        losses, now = [], placed
-        for x, y in batches:  # two steps: the second loss shows the gradients were right
-            loss, now = compiled(jax.device_put(now, shardings), x, y)  # the compiled-for layout
-            losses.append(float(loss))
-        result[name]["losses"] = losses
+        (x, y), second = [[jax.device_put(a, rows) for a in (d[:, :-1], d[:, 1:])] for d in data]
+        compiled = step.lower(placed, x, y).compile()
+        variants[name] = partial(lambda c, *a: jax.block_until_ready(c(*a)), compiled, placed, x, y)
+        loss, after = compiled(placed, x, y)  # a second step checks the gradients
+        losses = [float(loss), float(compiled(jax.device_put(after, shardings), *second)[0])]
+        # what jit made of it: its collectives; the state's bytes here, measured and expected
+        text, leaves = compiled.as_text(), jax.tree.leaves(placed)
+        total = sum(a.nbytes for a in leaves)
+        split_bytes = sum(a.nbytes for a in leaves if not a.sharding.is_fully_replicated)
+        mine = sum(s.data.nbytes for a in leaves for s in a.addressable_shards if s.device == first)
+        calls = {k: len(re.findall(rf"\s{k}(?:-start)?\(", text))
+                 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
+        example = re.findall(r"\S.*\sall-reduce(?:-start)?\(.*", text) + [""]
+        result[name] = dict(losses=losses, collectives=calls, allreduce_example=example[0][:150],
+                            state_bytes_per_device=mine, sharded_share=split_bytes / total,
+                            expected_bytes_per_device=total - split_bytes + split_bytes // n)
     against = dict(data_parallel="single_device", sharded_params="single_device")
     for name, row in interleaved(variants, against, torch.device("cpu"), plan.passes, plan.reps).items():
         pairs = zip(result[name]["losses"], result["single_device"]["losses"])
@@ -413,34 +363,28 @@ def exp_jax(jax, step, state, data, plan):
     return result
 
 def run_jax(args):
-    flags = os.environ.get("XLA_FLAGS", "")  # what JAX reads at start-up: set before the import
-    if "xla_force_host_platform_device_count" not in flags:  # a CPU: 4 simulated devices
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4"
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")  # 4 CPU devices
     if args.device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
     use_interconnect(args.interconnect)  # XLA's GPU collectives go through NCCL too
     import flax, jax, numpy as np
     from flax import nnx
     from model_jax import GPT as JaxGPT, adamw, make_train_step
-    devices, n = jax.devices(), jax.device_count()
-    gpu = devices[0].platform == "gpu"
+    device, n, gpu = jax.devices()[0], jax.device_count(), jax.default_backend() == "gpu"
     if args.device == "cuda" and not gpu:
         sys.exit("error: --device cuda: JAX sees no GPU (install jax[cuda13], or use --device cpu)")
-    plan = make_plan(args.quick, gpu)
-    if gpu:  # per device; the one-device reference runs n * 4 rows
-        plan = plan._replace(batch=4, reps=3)
-    memory = (devices[0].memory_stats() or {}).get("bytes_limit", HOST_MEMORY)  # GPU: JAX's pool
-    versions = f"jax {jax.__version__}, flax {flax.__version__}"
-    r = header(args, plan, (f"{n} x {devices[0].device_kind}", memory), versions,
-               nccl_transport() if gpu else NO_NCCL, "device; fp32 (a GPU: JAX's TF32 matmuls)")
+    plan = make_plan(args.quick, gpu, gpu_batch=4)  # per device: one device runs n x 4 rows
+    memory = (device.memory_stats() or {}).get("bytes_limit", HOST_MEMORY)  # GPU: JAX's pool
+    versions, transport = f"jax {jax.__version__}, flax {flax.__version__}", nccl_transport()
+    r = header(args, plan, f"{n} x {device.device_kind}", memory, versions,
+               transport if gpu else NO_NCCL, "device; fp32 (a GPU: JAX's TF32 matmuls)")
     model = JaxGPT(plan.config, rngs=nnx.Rngs(0))  # fp32 on both sides of the check
     graphdef, state = nnx.split((model, nnx.Optimizer(model, adamw(LR), wrt=nnx.Param)))
     rng, shape = np.random.default_rng(1), (n * plan.batch, plan.seq_len + 1)
     data = [rng.integers(0, plan.config.vocab_size, shape, dtype=np.int32) for _ in range(2)]
     print("compiling the step for 3 placements (GPT-2: tens of seconds)")
-    r.update(exp_jax(jax, make_train_step(graphdef), jax.device_get(state), data, plan))
-    for name in ("single_device", "data_parallel", "sharded_params"):
-        p = r[name]
+    placements = exp_jax(jax, make_train_step(graphdef), jax.device_get(state), data, plan)
+    for name, p in placements.items():
         found = ", ".join(f"{k} x{v}" for k, v in p["collectives"].items() if v) or "none"
         print(f"[{name}] collectives in the compiled program: {found}")
         if p["allreduce_example"] and name == "data_parallel":
@@ -448,23 +392,23 @@ def run_jax(args):
         print(f"    losses {p['losses'][0]:.6f}, {p['losses'][1]:.6f} (measured); against one "
               f"device: max relative diff {p['max_rel_loss_diff']:.1e} (derived)")
         print(f"    step {said(p['step'])}")
-        print(f"    params + AdamW state {p['state_bytes_per_device'] / 2**20:.2f} MiB per device "
-              f"(measured; {p['expected_bytes_per_device'] / 2**20:.2f} from the shardings)")
-    dp, sharded = r["data_parallel"], r["sharded_params"]
+        print(f"    params + AdamW state {p['state_bytes_per_device'] / 2**20:.2f} MiB/device (measured)")
+    dp, sharded = placements["data_parallel"], placements["sharded_params"]
     ratio = sharded["state_bytes_per_device"] / dp["state_bytes_per_device"]
     print(f"sharded / replicated bytes per device: {ratio:.3f} (derived; 1/N = {1 / n:.3f}; "
           f"{sharded['sharded_share']:.1%} of the bytes have a dimension that {n} divides)")
-    r.update(n_devices=n, sharded_over_replicated=ratio, checks=dict(
+    r.update(placements, n_devices=n, sharded_over_replicated=ratio, checks=dict(
         data_parallel_loss_equals_single_device=dp["max_rel_loss_diff"] < 1e-4,
         sharded_params_loss_equals_single_device=sharded["max_rel_loss_diff"] < 1e-4,
-        sharded_bytes_match_shardings=all(r[k]["state_bytes_per_device"] == r[k][
-            "expected_bytes_per_device"] for k in ("single_device", "data_parallel", "sharded_params")),
-        allreduce_in_compiled_text=n == 1 or "all-reduce" in dp["allreduce_example"]))  # 1: none
-    return finish(r, args, True)
+        sharded_bytes_match_shardings=all(p["state_bytes_per_device"] == p[
+            "expected_bytes_per_device"] for p in placements.values()),
+        allreduce_in_compiled_text=n == 1 or "all-reduce" in dp["allreduce_example"]))
+    return r, True
 
 def parse_args(argv=None):
+    launched = "torch" if "RANK" in os.environ else "jax"  # torchrun sets RANK
     p = argparse.ArgumentParser(description="Section 13.6: production data parallelism")
-    p.add_argument("--framework", choices=["torch", "jax"], help="default: torch under torchrun")
+    p.add_argument("--framework", choices=["torch", "jax"], default=launched)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--interconnect", choices=["default", "staged"], default="default")
     p.add_argument("--quick", action="store_true", help="a smoke run of about ten seconds")
@@ -472,28 +416,31 @@ def parse_args(argv=None):
     p.add_argument("--out", default="out", help="folder for the profiler trace")
     args = p.parse_args(argv)
     check_outputs(args)
-    launched = "torch" if "RANK" in os.environ else "jax"  # torchrun sets RANK
-    if (args.framework or launched) != launched:
-        p.exit(2, "The PyTorch half runs one process per device: torchrun --nproc_per_node=N "
-               "--standalone 06_ddp_prod.py\nThe JAX half is ONE process for every device, "
-               "without torchrun: python 06_ddp_prod.py --framework jax\n")
-    args.framework = launched
+    if args.framework != launched:
+        p.exit(2, "The PyTorch half: torchrun --nproc_per_node=N --standalone 06_ddp_prod.py\n"
+               "The JAX half is ONE process: python 06_ddp_prod.py --framework jax\n")
     return args
 
 def main():
     args = parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler start/stop lines on stderr
     warnings.filterwarnings("ignore", message=".*Profiler clears events")  # we read each cycle
-    own_log = "NCCL_DEBUG_FILE" not in os.environ  # use_interconnect names it: ours to remove
     try:
-        ok = dict(torch=run_torch, jax=run_jax)[args.framework](args)
+        result, speaks = dict(torch=run_torch, jax=run_jax)[args.framework](args)
     except RuntimeError as error:  # e.g. no rendezvous, or a peer stopped during a collective
         reason = (str(error) or type(error).__name__).splitlines()[0][:300]
         sys.exit(f"error: rank {os.environ.get('RANK', 0)}: {type(error).__name__}: {reason}")
     finally:
-        if own_log and "NCCL_DEBUG_FILE" in os.environ:
+        if dist.is_initialized():  # free the models (and the work objects DDP keeps) while the
+            gc.collect()  # process group lives, then end it, so that no rank aborts at exit
+            dist.destroy_process_group()
+        if os.environ.get("NCCL_DEBUG_FILE", "").endswith(f"nccl-{os.getpid()}.log"):
             Path(os.environ["NCCL_DEBUG_FILE"]).unlink(missing_ok=True)
-    sys.exit(int(not ok))
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    print("checks:", f"FAILED {failed}" if failed else "ALL PASSED")
+    if args.json and speaks:
+        write_json(args.json, result)
+    sys.exit(int(bool(failed)))
 
 if __name__ == "__main__":
     try:
