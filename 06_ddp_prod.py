@@ -179,8 +179,8 @@ def exp_ddp_speed(base, x, y, device, plan, amp, trace):
     # PREDICTION, GPT-2 on two GPUs: 498 MB of fp32 gradients per rank and step against 6 x 124M x
     # 8192 = 6 TFLOP, tens of ms in eager bf16 (H200: 989 TFLOP/s, datasheet). NVLink 4 (450 GB/s
     # each way, datasheet): 1-2 ms of all-reduce, DDP wins about that (148 calls become ~15); the
-    # bucket size barely matters, one huge bucket may even win (each bucket's copy, launch and
-    # kernel costs more than it hides). Staged through host memory (PCIe 5.0 x16: 64 GB/s each
+    # bucket size moves a ms either way: a small bucket pays a copy and launch each, one huge one
+    # cannot start before backward ends. Staged through host memory (PCIe 5.0 x16: 64 GB/s each
     # way, spec, plus a host copy): 10-20 ms, like the compute: DDP hides much of it and wins
     # clearly; tiny buckets pay a latency each, one huge bucket waits for the whole backward.
     # CPU (gloo): ranks share the cores, DDP gains by fewer calls only.
