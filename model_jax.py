@@ -32,36 +32,44 @@ normal = nnx.initializers.normal
 class CausalSelfAttention(nnx.Module):
 
     def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None):
-        d, L = config.n_embd, config.n_layer
-        self.n_head, self.attn, self.dtype = config.n_head, config.attn, dtype
-        self.attn_impl = attn_impl  # jax.nn.dot_product_attention's backend: None, "xla", "cudnn"
+        d = config.n_embd
+        L = config.n_layer
+        self.n_head = config.n_head
+        self.attn = config.attn
+        self.dtype = dtype
+        self.attn_impl = attn_impl  # dot_product_attention's backend: None, "xla", "cudnn"
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
                          bias_init=nnx.initializers.zeros, rngs=rngs)
         self.c_attn = linear(d, 3 * d, kernel_init=normal(0.02))  # q, k, v in one matmul
         self.c_proj = linear(d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
 
     def __call__(self, x):
-        B, T, C = x.shape
-        qkv = self.c_attn(x)
-        # (B, T, C) -> (B, T, nh, hs): JAX's attention takes heads as the third axis
-        q, k, v = (t.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
-                   for t in jnp.split(qkv, 3, axis=-1))
+        B, T, C = x.shape  # batch, sequence length, embedding dim (n_embd)
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=2)
+        # nh heads of hs = C // nh channels each; JAX's attention keeps heads as the third axis
+        k = k.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
+        q = q.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
+        v = v.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
         if self.attn == "sdpa":
             # one fused attention (cuDNN flash on a GPU when asked): no T x T in memory
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attn_impl)
+            y = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=self.attn_impl)  # (B, T, nh, hs)
         else:
             # the textbook version: a (B, nh, T, T) matrix is written, softmaxed and read back
-            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(k.shape[-1])
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(k.shape[-1])  # (B, nh, T, T)
             causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-            att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf).astype(jnp.float32), axis=-1)
-            y = jnp.einsum("bhqk,bkhd->bqhd", att.astype(self.dtype), v)
-        return self.c_proj(y.reshape(B, T, C))  # re-assemble the heads
+            att = jnp.where(causal, att, -jnp.inf)
+            att = jax.nn.softmax(att.astype(jnp.float32), axis=-1)  # fp32, as under autocast
+            y = jnp.einsum("bhqk,bkhd->bqhd", att.astype(self.dtype), v)  # (B, T, nh, hs)
+        y = y.reshape(B, T, C)  # re-assemble the heads: (B, T, C)
+        return self.c_proj(y)
 
 
 class MLP(nnx.Module):
 
     def __init__(self, config, dtype, param_dtype, rngs):
-        d, L = config.n_embd, config.n_layer
+        d = config.n_embd
+        L = config.n_layer
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
                          bias_init=nnx.initializers.zeros, rngs=rngs)
         self.c_fc = linear(d, 4 * d, kernel_init=normal(0.02))
@@ -93,9 +101,12 @@ class GPT(nnx.Module):
     def __init__(self, config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None,
                  attn_impl=None):
         assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual, not {config.attn!r}"
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.config, self.dtype = config, dtype
-        embed = partial(nnx.Embed, embedding_init=normal(0.02), param_dtype=param_dtype, rngs=rngs)
+        if rngs is None:
+            rngs = nnx.Rngs(0)
+        self.config = config
+        self.dtype = dtype
+        embed = partial(nnx.Embed, embedding_init=normal(0.02), param_dtype=param_dtype,
+                        rngs=rngs)
         self.wte = embed(config.vocab_size, config.n_embd)  # also the lm_head (tied)
         self.wpe = embed(config.block_size, config.n_embd)
         self.h = nnx.List([Block(config, dtype, param_dtype, rngs, attn_impl)
@@ -116,7 +127,9 @@ class GPT(nnx.Module):
         x = self.ln_f(x)
         wte = self.wte.embedding[...]
         logits = x.astype(self.dtype) @ wte.astype(self.dtype).T  # tied lm_head
-        loss = None if targets is None else cross_entropy(logits, targets)
+        loss = None
+        if targets is not None:  # loss on fp32 logits, also in bf16 compute
+            loss = cross_entropy(logits, targets)
         return logits, loss
 
 
@@ -162,10 +175,12 @@ def from_torch(model, state_dict):
     model.wpe.embedding[...] = sd["transformer.wpe.weight"]
 
     def copy_ln(ln, name):
-        ln.scale[...], ln.bias[...] = sd[name + ".weight"], sd[name + ".bias"]
+        ln.scale[...] = sd[name + ".weight"]
+        ln.bias[...] = sd[name + ".bias"]
 
     def copy_linear(lin, name):
-        lin.kernel[...], lin.bias[...] = sd[name + ".weight"].T, sd[name + ".bias"]
+        lin.kernel[...] = sd[name + ".weight"].T  # torch (out, in) -> nnx (in, out)
+        lin.bias[...] = sd[name + ".bias"]
 
     for i, block in enumerate(model.h):
         p = f"transformer.h.{i}."

@@ -51,7 +51,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         assert config.n_embd % config.n_head == 0
         assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual, not {config.attn!r}"
-        self.n_head, self.attn = config.n_head, config.attn
+        self.n_head = config.n_head
+        self.attn = config.attn
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 

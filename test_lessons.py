@@ -152,18 +152,46 @@ def test_gpt2_parameter_count_is_gpt2_small():
     assert param_count(cfg, position=False) == 123_653_376
 
 
-def test_flops_per_token_matches_flop_counter():
+def counted_flops_per_token(cfg, B=1):
+    """Training FLOPs per token as torch's FlopCounterMode counts one forward + backward."""
     from torch.utils.flop_counter import FlopCounterMode
-    # manual attention: its matmuls are counted on every device (CPU SDPA is not)
-    cfg = tiny(attn="manual")
     torch.manual_seed(0)
-    model, B, T = GPT(cfg), 2, cfg.block_size
-    idx = torch.randint(0, cfg.vocab_size, (B, T))
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (B, cfg.block_size))
     with FlopCounterMode(display=False) as counter:
         _, loss = model(idx, idx)
         loss.backward()
-    counted = counter.get_total_flops() / (B * T)
-    assert abs(flops_per_token(cfg, T) / counted - 1) < 0.02
+    return counter.get_total_flops() / (B * cfg.block_size)
+
+
+# manual attention: its matmuls are counted on every device (CPU SDPA is not). The two
+# configurations weigh the formula's terms differently: at vocabulary 50304 the head's matmul
+# is most of 6N and attention ~4%; at vocabulary 256, T = 512, d = 64, the 12 L T d term is over
+# half the total, so halving it (6 L T d) misses by ~25%, far outside the 1% tolerance, which
+# only has to absorb what the formula counts and the counter does not (biases, LayerNorm gains).
+@pytest.mark.parametrize("cfg, attention_share", [
+    (tiny(attn="manual"), (0.03, 0.04)),
+    (tiny(attn="manual", vocab_size=256, block_size=512, n_layer=2, n_head=2, n_embd=64),
+     (0.5, 0.6)),
+], ids=["head-heavy", "attention-heavy"])
+def test_flops_per_token_matches_flop_counter(cfg, attention_share):
+    T = cfg.block_size
+    share = 12 * cfg.n_layer * T * cfg.n_embd / flops_per_token(cfg)
+    assert attention_share[0] < share < attention_share[1]  # the weighting this case tests
+    counted = counted_flops_per_token(cfg)
+    assert abs(flops_per_token(cfg, T) / counted - 1) < 0.01, (
+        f"6N + 12LTd = {flops_per_token(cfg, T):.0f} FLOPs/token, the counter {counted:.0f}")
+
+
+def test_flops_per_token_is_six_n_plus_twelve_l_t_d():
+    # the formula term by term, exactly: 6 FLOPs per weight per token (N without the position
+    # table), and the attention term 12 L T d at the sequence length asked for
+    for cfg in (GPTConfig.preset("gpt2"), tiny(), tiny(block_size=64, n_layer=3)):
+        L, d = cfg.n_layer, cfg.n_embd
+        six_n = 6 * param_count(cfg, position=False)
+        for T in (cfg.block_size, cfg.block_size // 2):
+            assert flops_per_token(cfg, T) - six_n == 12 * L * T * d, "the attention term"
+        assert flops_per_token(cfg) == flops_per_token(cfg, cfg.block_size), "T defaults to block"
 
 
 def test_state_bytes_are_sixteen_per_parameter():
@@ -355,6 +383,41 @@ def test_jax_logits_equal_torch_logits(jax_highest, attn):
     assert abs(tloss.item() - float(jloss)) < 1e-5
 
 
+def unit_scale(torch_model):
+    """Re-draw every weight so each layer's inputs and outputs are of unit scale (weights
+    N(0, 1/fan_in), biases and LayerNorm parameters N(0, 0.5)). At GPT-2's init the
+    pre-activations are ~0.2 and a layer's nonlinearity is nearly linear there: the tanh and
+    erf GELUs differ by < 1e-5 at 0.2 but by up to 5e-4 near 2."""
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]))
+            else:
+                p.normal_(0, 0.5)
+    return torch_model
+
+
+@pytest.mark.parametrize("layer", ["ln_1", "mlp", "attn-sdpa", "attn-manual"])
+def test_jax_layers_equal_torch_layers(jax_highest, layer):
+    # each layer's function on unit-scale inputs, fp32, relative error < 1e-5. Catches a flipped
+    # GELU flavour (tanh vs erf: ~2e-4), nnx's default LayerNorm epsilon (1e-6 vs torch's 1e-5:
+    # ~5e-4 on the small-scale rows below), a missing 1/sqrt(hs) or causal mask (order 1)
+    import jax.numpy as jnp
+    from model_jax import GPT as JaxGPT, from_torch
+    name, _, attn = layer.partition("-")
+    cfg = tiny(n_layer=1, attn=attn or "sdpa", vocab_size=256, block_size=64)
+    torch.manual_seed(0)
+    tmodel = unit_scale(GPT(cfg))
+    jmodel = from_torch(JaxGPT(cfg), tmodel.state_dict())
+    x = torch.randn(2, cfg.block_size, cfg.n_embd)
+    x[1] *= 0.01  # small-variance rows: there a LayerNorm's epsilon shows
+    expected = getattr(tmodel.transformer.h[0], name)(x).detach().numpy()
+    got = np.asarray(getattr(jmodel.h[0], name)(jnp.asarray(x.numpy())))
+    for row in range(2):
+        error = np.linalg.norm(got[row] - expected[row]) / np.linalg.norm(expected[row])
+        assert error < 1e-5, f"{layer}: JAX differs from torch by {error:.1e} (row {row})"
+
+
 def test_jax_and_torch_train_alike(jax_highest):
     # Same weights, same batches, same AdamW: the two frameworks take the same steps.
     import jax.numpy as jnp
@@ -425,13 +488,33 @@ def test_roofline_measures_both_ceilings(roofline):
     assert (tmp / "out" / "01_roofline.png").exists()
 
 
+def test_roofline_runs_from_a_folder_holding_it_alone(roofline):
+    """The lesson uses no model, so a reader can copy 01_roofline.py and nothing else."""
+    folder = roofline[2] / "lesson"
+    assert sorted(path.name for path in folder.iterdir()) == ["01_roofline.py"]
+
+
 def test_roofline_counts_flops_and_bytes_on_paper(roofline):
     ops = roofline[0]["ops"]
+    n, p, t = 2**21, 512, 16  # --quick on a CPU: vector, peak_n, tiny; everything fp32
+    m, d, batch = p // 2, 2 * p, n // 4096  # medium matmul, decode weight, bmm batch
+    expected = {  # (FLOPs, bytes): inputs read once, outputs written once, 4 bytes each
+        "vector_add_tiny": (1024, 3 * 1024 * 4),
+        "vector_add": (n, 3 * n * 4),
+        "scale": (n, 2 * n * 4),
+        "gelu": (8 * n, 2 * n * 4),
+        "softmax": (5 * n, 2 * n * 4),
+        "layernorm": (8 * n, (2 * n + 2 * 1024) * 4),  # x in, y out, gain and bias in
+        "sum": (n, (n + 1) * 4),
+        "matmul_tiny": (2 * t**3, 3 * t * t * 4),
+        "matmul_decode": (2 * d * d, (2 * d + d * d) * 4),  # 1 token against a d x d weight
+        "bmm_small": (2 * batch * 64**3, 3 * batch * 64 * 64 * 4),
+        "matmul_medium": (2 * m**3, 3 * m * m * 4),
+        "matmul_large": (2 * p * m * d, (p * m + m * d + p * d) * 4),
+    }
+    assert {key: (op["flops"], op["bytes"]) for key, op in ops.items()} == expected
     assert ops["vector_add"]["intensity"] == pytest.approx(1 / 12)  # 1 FLOP per 3 x 4 bytes
     assert ops["gelu"]["intensity"] == pytest.approx(1.0)            # 8 FLOPs per 2 x 4 bytes
-    m, k, n = 512, 256, 1024  # matmul_large in --quick: peak_n x peak_n/2 x 2 peak_n, fp32
-    assert ops["matmul_large"]["flops"] == 2 * m * k * n
-    assert ops["matmul_large"]["bytes"] == 4 * (m * k + k * n + m * n)
     for op in ops.values():
         assert op["intensity"] == pytest.approx(op["flops"] / op["bytes"])
         assert op["achieved_flops"] == pytest.approx(op["flops"] / op["time_s"])
@@ -456,7 +539,7 @@ def test_roofline_classifies_from_the_measurement(roofline):
 
 
 def test_roofline_table_columns_do_not_run_together(roofline):
-    """Issue 18: 'matmul 1024x1024x4096   228136426.0' - FLOP/B and x toy printed as one."""
+    """Neighbouring columns stay apart (a wide FLOP/B once ran into the x toy column)."""
     r, stdout, _ = roofline
     lines = stdout.splitlines()
     header = next(line for line in lines if "FLOP/B" in line and "x toy" in line)
@@ -471,14 +554,24 @@ def test_roofline_table_columns_do_not_run_together(roofline):
             assert float(field) == pytest.approx(value, rel=0.01, abs=0.06)
 
 
+def test_roofline_marks_what_is_unreliable_and_what_derives_from_it(roofline):
+    r, stdout, _ = roofline
+    lines = stdout.splitlines()
+    for op in r["ops"].values():
+        if op["max_s"] - op["min_s"] > op["time_s"] or r["ceilings"]["unreliable"]:
+            assert op["unreliable"]  # its own spread, or the roofs its fractions divide by
+        row = next(line for line in lines if line.startswith(f"  {op['label']:<24} "))
+        assert row.endswith("   unreliable (machine busy)") == op["unreliable"], row
+
+
 def test_roofline_discipline_shows_both_clocks(roofline):
     d = roofline[0]["discipline"]
     for clocks in (d["torch"], d["jax"]):  # the clock at return never exceeds the clock when ready
         assert 0 < clocks["returned_s"] <= clocks["warm_median_s"]
         assert clocks["first_s"] > 0 and clocks["loop_mean_s"] > 0
     assert d["jax"]["platform"] == "cpu"
-    for name in ("first_matmul", "first_copy"):
-        assert d[name]["first_s"] == roofline[0]["ceilings"][name[6:]]["first_s"]
+    for name in ("matmul", "copy"):  # the loop timed from the ceilings' first calls
+        assert d["first"][name]["first_s"] == roofline[0]["ceilings"][name]["first_s"]
 
 
 @pytest.mark.parametrize("argv", [["--device", "tpu"], ["--no-such-flag"], ["--quick", "3"]])
@@ -497,10 +590,16 @@ def test_roofline_cuda_without_gpu_says_so(monkeypatch):
 def test_roofline_refuses_unusable_outputs_before_work(tmp_path):
     parse_args = load_lesson("01_roofline.py").parse_args
     (tmp_path / "a_file").write_text("")
-    assert refused(parse_args, ["--json", str(tmp_path / "missing" / "r.json")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path)]) == 1
+    assert refused(parse_args, ["--json", ""]) == 2
+    assert refused(parse_args, ["--out", ""]) == 2
+    assert refused(parse_args, ["--json", str(tmp_path)]) == 1  # a folder, not a file
     assert refused(parse_args, ["--out", str(tmp_path / "a_file")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path / "r.json"), "--out", str(tmp_path)]) is None
+    assert refused(parse_args, ["--json", "/proc/r.json", "--out", str(tmp_path)]) == 1
+    assert refused(parse_args, ["--out", "/proc/figures"]) == 1
+    missing = tmp_path / "missing" / "deeper"
+    argv = ["--json", str(missing / "r.json"), "--out", str(tmp_path / "figures")]
+    assert refused(parse_args, argv) is None
+    assert missing.is_dir() and (tmp_path / "figures").is_dir()  # made before the work
 
 
 def test_roofline_flags_what_the_machine_cannot_have_done():
@@ -525,13 +624,17 @@ def test_roofline_ctrl_c_is_one_line_and_130(tmp_path):
 
 @pytest.fixture(scope="module")
 def hardware(tmp_path_factory):
-    """One --quick CPU run for the whole module."""
+    """One --quick CPU run for the whole module: its JSON, its folder, what it printed."""
     tmp = tmp_path_factory.mktemp("hardware")
-    return run_lesson("02_hardware.py", tmp_path=tmp), tmp
+    path = tmp / "02_hardware.json"
+    proc = run_process("02_hardware.py", "--quick", "--device", "cpu", "--json", str(path),
+                       "--out", str(tmp / "out"), tmp_path=tmp)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(path.read_text()), tmp, proc.stdout
 
 
 def test_02_hardware_quick_cpu(hardware):
-    out, tmp = hardware
+    out, tmp, printed = hardware
     assert out["lesson"] == "02_hardware" and out["quick"] is True
     assert all(out["checks"].values()), out["checks"]
     assert (tmp / "out" / "02_hardware.png").exists()
@@ -543,15 +646,21 @@ def test_02_hardware_quick_cpu(hardware):
     assert points[0]["bytes"] <= 32 << 10 and points[-1]["bytes"] >= 8 << 20
     assert hierarchy["main_memory_gb_per_s"] == points[-1]["gb_per_s"]
     assert hierarchy["fastest_gb_per_s"] == max(p["gb_per_s"] for p in points)
-    assert hierarchy["l2_bytes"] is None
+    assert hierarchy["gpu_l2_bytes"] is None
+    caches = hierarchy["caches"]  # the CPU's data caches, as Linux reports them
+    assert set(caches) <= {"L1", "L2", "L3"} and list(caches.values()) == sorted(caches.values())
     # 2. the ladder: error grows as bits shrink, format facts from torch.finfo
     formats = out["ladder"]["formats"]
+    # fp8 is emulated on a CPU: timed on a smaller matmul, and the run says so
+    assert formats["fp8"]["n"] < out["ladder"]["n"] == formats["fp32"]["n"]
+    assert f"fp8: emulated (no fp8 unit on a CPU), so timed at {formats['fp8']['n']}^3" in printed
     assert formats["fp32"]["rel_error"] < formats["bf16"]["rel_error"] < formats["fp8"]["rel_error"]
     assert formats["fp32"]["rel_error"] < 1e-5 and formats["bf16"]["rel_error"] < 2e-2
     assert formats["fp32"]["bits"] == 32 and formats["bf16"]["bits"] == 16
     assert formats["bf16"]["eps"] == 2.0 ** -7 and formats["fp8"]["max"] == 448
     assert all(f["tflops"] > 0 for f in formats.values())
     assert formats["fp32"]["speedup_vs_fp32"] == 1
+    assert formats["fp8"]["speedup_vs_fp32"] is None  # a smaller matmul: no ratio to fp32's
     assert "tf32" in out["ladder"]["skipped_formats"]  # a GPU tensor-core mode, stated why
     # 5. prefill: intensity rises with the token count, from 1 token
     pd = out["prefill_decode"]
@@ -564,8 +673,10 @@ def test_02_hardware_quick_cpu(hardware):
     # 3, 4: GPU-only parts carry a reason on the CPU (energy still lists the references)
     assert out["interconnect"]["skipped"]
     assert out["energy"]["unmeasured"] and len(out["energy"]["reference_pj_horowitz_2014"]) == 6
+    assert "skipped: no GPU: no link to measure" in printed
+    assert "measured: nothing - no GPU power reading here" in printed
     # 6. the spec table carries the reference rows beside this machine
-    table = out["spec_table"]
+    table = out["spec_table"]["rows"]
     assert {"RTX 4090 (ref.)", "A100 SXM 80GB (ref.)", "H100 SXM (ref.)", "H200 SXM (ref.)"} <= set(table)
     mine = table[f"{out['device']['name'][:16]} (measured)"]
     assert mine[3] == formats["fp32"]["tflops"] and mine[1] is None  # fp32 measured, no tf32
@@ -573,17 +684,29 @@ def test_02_hardware_quick_cpu(hardware):
 
 
 def test_02_timing_is_reported_never_checked(hardware):
-    """Issue 14: prefill_throughput_rises decided the exit code and failed on a loaded machine."""
+    """A timing decides no exit code (a loaded machine must not fail the run); a number derived
+    from an unreliable one is marked unreliable too."""
     out = hardware[0]
     pd = out["prefill_decode"]
+    rows = pd["rows"]
     assert pd["throughput_ratio_last_over_first"] == pytest.approx(
-        pd["rows"][-1]["tflops"] / pd["rows"][0]["tflops"])
+        rows[-1]["tflops"] / rows[0]["tflops"])
     assert set(out["checks"]) == {"ladder_errors_within_format", "ladder_error_grows_as_bits_shrink",
                                   "decode_cache_matches_full_forward", "peer_copies_exact"}
-    for row in pd["rows"]:  # the roof each point is compared against, and the flag beside it
+    for row in rows:  # the roof each point is compared against, and the flag beside it
         assert row["roof_tflops"] == pytest.approx(min(
             pd["peak_tflops_used"], row["intensity"] * pd["bandwidth_gb_per_s_used"] / 1e3))
         assert isinstance(row["unreliable"], bool)
+    hierarchy = out["hierarchy"]
+    fp32 = out["ladder"]["formats"]["fp32"]
+    memory_unreliable = hierarchy["main_memory_unreliable"]
+    assert memory_unreliable == hierarchy["points"][-1]["unreliable"]
+    assert pd["ridge_unreliable"] == (fp32["unreliable"] or memory_unreliable)
+    assert out["decode_step"]["ceiling_unreliable"] == memory_unreliable
+    used = [r["unreliable"] for r in rows if r["tokens"] <= 8] + [r["unreliable"] for r in rows[-2:]]
+    assert pd["crossover_unreliable"] == any(used)
+    assert pd["throughput_ratio_unreliable"] == (rows[0]["unreliable"] or rows[-1]["unreliable"])
+    assert out["spec_table"]["measured_row_unreliable"] >= memory_unreliable
 
 
 def test_02_decode_step_counts_its_bytes_and_matches_a_full_forward(hardware):
@@ -615,8 +738,7 @@ def test_02_cached_forward_is_the_model_forward():
     torch.manual_seed(0)
     config = GPTConfig.preset("tiny", n_layer=2, block_size=16)
     model, idx = GPT(config).eval(), torch.randint(0, 50257, (1, 12))
-    shape = (1, config.n_head, 12, config.n_embd // config.n_head)
-    cache = [[torch.zeros(shape) for _ in "kv"] for _ in range(config.n_layer)]
+    cache = lesson.kv_cache(config, 12, torch.device("cpu"))
     with torch.no_grad():
         full = model(idx)[0][0]
         prefill = lesson.cached_forward(model, idx[:, :8], 0, cache)[0]
@@ -638,35 +760,63 @@ def test_02_gpu_reports_print_every_number(capsys):
                               matmul_watts=690.0, matmul_flops_per_s=6e14, pj_per_flop=1.15,
                               copy_watts=400.0, copy_bytes_per_s=4e12, pj_per_byte=100.0))
     lesson.report_hierarchy(dict(points=[dict(bytes=16 << 10, gb_per_s=1e4, unreliable=False)],
-                                 l2_bytes=60 << 20, main_memory_gb_per_s=4e3, fastest_gb_per_s=1e4))
+                                 caches={"L2": 60 << 20}, gpu_l2_bytes=60 << 20,
+                                 main_memory_gb_per_s=4e3, main_memory_unreliable=False,
+                                 fastest_gb_per_s=1e4, fastest_unreliable=False))
     text = capsys.readouterr().out
     assert text.count("GPU 0->1") == 1 and "16.0x" in text and "needs two" in text
     assert "unreliable (machine busy)" in text and "two orders of magnitude" in text
     assert "690 W" in text and "1.15 pJ/FLOP" in text and "100.0 pJ/byte" in text
+    assert "L2: 60 MB" in text and "16 KB" in text
     # the spec table names the GPU's link and L2 (a CPU prints - for both)
-    result = dict(ladder=dict(formats={"bf16": dict(tflops=800.0)}), interconnect=dict(host=host),
-                  hierarchy=dict(l2_bytes=60 << 20, main_memory_gb_per_s=4400.0),
-                  device=dict(name="NVIDIA H200"))
-    mine = lesson.spec_table(None, None, result)["NVIDIA H200 (measured)"]
+    formats = {"bf16": dict(tflops=800.0, unreliable=False)}
+    table = lesson.spec_table("NVIDIA H200", formats, lesson.Rate(4.4e12, False), 60 << 20,
+                              host["h2d_pinned"])
+    mine = table["rows"]["NVIDIA H200 (measured)"]
     assert mine[:6] == (800.0, None, None, None, 4.4, 60.0) and "50" in mine[6]
+    assert not table["measured_row_unreliable"]
 
 
-def test_02_a_part_the_machine_cannot_run_says_why_and_the_rest_runs(tmp_path, monkeypatch, capsys):
+def test_02_derived_from_an_unreliable_number_carries_the_mark(capsys):
+    """A ridge from a busy bandwidth, a crossover that could not be derived: said, not hidden."""
     lesson = load_lesson("02_hardware.py")
-    ladder = dict(n=1, formats={}, skipped_formats={})
-    sections = [("ladder", lambda *_: ladder, print),
-                ("interconnect", lambda *_: dict(skipped="no GPU: no link to measure"), print),
-                ("decode_step", lambda *_: dict(cached_vs_full_rel_error=0.5), print)]
-    monkeypatch.setattr(lesson, "SECTIONS", sections)
+    row = dict(tokens=1, intensity=1.0, time_us=5.0, tflops=1.0, gb_per_s=1.0, unreliable=False)
+    lesson.report_prefill(dict(
+        peak_tflops_used=800.0, bandwidth_gb_per_s_used=4000.0, ridge_flop_per_byte=200.0,
+        ridge_unreliable=True, rows=[row, row], crossover_tokens=None, crossover_intensity=None,
+        flat_time_us=5.0, crossover_unreliable=True, throughput_ratio_last_over_first=1.0,
+        throughput_ratio_unreliable=False))
+    text = capsys.readouterr().out.splitlines()
+    assert "200.0 FLOP/byte (derived)  unreliable (machine busy)" in text[0]
+    assert "crossover: not derived" in text[-2] and "unreliable" not in text[-1]
+
+
+def test_02_a_wrong_result_fails_the_run_after_the_json(tmp_path, monkeypatch):
+    lesson = load_lesson("02_hardware.py")
+    result = dict(ladder=dict(formats={}), interconnect=dict(skipped="no GPU"),
+                  decode_step=dict(cached_vs_full_rel_error=0.5))
+    monkeypatch.setattr(lesson, "run_experiments", lambda *_: result)
     monkeypatch.setattr("sys.argv", ["02_hardware.py", "--device", "cpu", "--json",
                                      str(tmp_path / "r.json"), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit) as stop:  # a wrong decode step fails the run, after the JSON
+    with pytest.raises(SystemExit) as stop:
         lesson.main()
     assert "decode_cache_matches_full_forward" in str(stop.value.code)
-    assert "skipped: no GPU" in capsys.readouterr().out
     out = json.loads((tmp_path / "r.json").read_text())
-    assert out["interconnect"]["skipped"] and out["decode_step"]["cached_vs_full_rel_error"] == 0.5
+    assert out["decode_step"]["cached_vs_full_rel_error"] == 0.5
     assert out["checks"]["peer_copies_exact"] and not out["checks"]["decode_cache_matches_full_forward"]
+
+
+def test_02_error_bounds_catch_the_rung_below():
+    """Each format's bound fails the error of the next coarser format computed in its place."""
+    checks = load_lesson("02_hardware.py").self_checks
+    measured = dict(fp32=2e-7, tf32=2.9e-4, fp16=3.6e-4, bf16=2.9e-3, fp8=3.8e-2)  # a CPU, an H200
+    formats = {name: dict(rel_error=error) for name, error in measured.items()}
+    assert all(checks(formats, {}, 1e-6).values())
+    for name, wrong in [("fp32", 2.9e-4), ("tf32", 2.9e-3), ("fp16", 2.9e-3), ("bf16", 3.8e-2)]:
+        swapped = dict(formats, **{name: dict(rel_error=wrong)})
+        assert not checks(swapped, {}, 1e-6)["ladder_errors_within_format"], name
+    assert not checks(formats, {}, 1e-3)["decode_cache_matches_full_forward"]
+    assert not checks(formats, {"0->1": dict(exact=False)}, 1e-6)["peer_copies_exact"]
 
 
 @pytest.mark.parametrize("argv", [["--device", "tpu"], ["--no-such-flag"]])
@@ -674,28 +824,52 @@ def test_02_bad_flags_exit_2(argv):
     assert refused(load_lesson("02_hardware.py").parse_args, argv) == 2
 
 
-def test_02_cuda_without_gpu_says_so(monkeypatch):
+def test_02_cuda_without_gpu_says_so(monkeypatch, tmp_path):
     lesson = load_lesson("02_hardware.py")
     monkeypatch.setattr(lesson.torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as stop:
-        lesson.parse_args(["--device", "cuda"])
+        lesson.parse_args(["--device", "cuda", "--out", str(tmp_path)])
     assert "no CUDA GPU" in str(stop.value.code)
 
 
 def test_02_refuses_unusable_outputs_before_work(tmp_path):
     parse_args = load_lesson("02_hardware.py").parse_args
     (tmp_path / "a_file").write_text("")
-    assert refused(parse_args, ["--json", str(tmp_path / "missing" / "r.json")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path)]) == 1
-    assert refused(parse_args, ["--out", str(tmp_path / "a_file")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path / "r.json"), "--out", str(tmp_path)]) is None
+    out = ["--out", str(tmp_path)]
+    assert refused(parse_args, ["--json", "", *out]) == 2
+    assert refused(parse_args, ["--out", ""]) == 2
+    assert refused(parse_args, ["--json", str(tmp_path), *out]) == 2  # a folder
+    assert refused(parse_args, ["--out", str(tmp_path / "a_file")]) == 2
+    assert refused(parse_args, ["--json", "/proc/02_hardware.json", *out]) == 2
+    assert refused(parse_args, ["--out", "/proc/02_hardware"]) == 2
+    new = tmp_path / "new" / "deeper"  # missing folders are made
+    assert refused(parse_args, ["--json", str(new / "r.json"), "--out", str(new / "out")]) is None
+    assert (new / "out").is_dir() and (new / "r.json").parent.is_dir()
 
 
 def test_02_flags_what_the_machine_cannot_have_done():
-    unreliable = load_lesson("02_hardware.py").unreliable
-    assert not unreliable((1.0, 0.9, 1.2), rate=1.05, ceiling=1.0)
-    assert unreliable((1.0, 0.5, 2.0))  # a spread wider than the median
-    assert unreliable((1.0, 0.9, 1.1), rate=1.2, ceiling=1.0)  # above the measured roof
+    lesson = load_lesson("02_hardware.py")
+    unreliable = lesson.unreliable
+    assert not unreliable(lesson.Timing(1.0, 0.9, 1.2), rate=1.05, ceiling=1.0)
+    assert unreliable(lesson.Timing(1.0, 0.5, 2.0))  # a spread wider than the median
+    assert unreliable(lesson.Timing(1.0, 0.9, 1.1), rate=1.2, ceiling=1.0)  # above the roof
+    assert lesson.mark(True) == "  unreliable (machine busy)" and lesson.mark(False) == ""
+
+
+def test_02_ctrl_c_is_one_line_and_130(tmp_path):
+    for after in (2, 8):  # while torch imports (here: ~3 s), then during the measurements
+        proc = interrupt("02_hardware.py", "--quick", "--device", "cpu", "--out",
+                         str(tmp_path / "out"), after=after, tmp_path=tmp_path)
+        assert proc.returncode == 130, proc.stderr[-2000:]
+        assert proc.stderr.strip() == "interrupted", proc.stderr[-2000:]
+
+
+def test_02_without_the_model_file_says_which_to_copy(tmp_path):
+    shutil.copy(HERE / "02_hardware.py", tmp_path / "02_hardware.py")
+    proc = subprocess.run([sys.executable, "02_hardware.py", "--quick"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "needs model_torch.py" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -709,7 +883,7 @@ def test_02_flags_what_the_machine_cannot_have_done():
 def compile_run(tmp_path_factory):
     """One quick CPU run of 03_compile.py shared by the tests below: (process, JSON, folder)."""
     tmp_path = tmp_path_factory.mktemp("03_compile")
-    out = tmp_path / "03_compile.json"
+    out = tmp_path / "missing" / "03_compile.json"  # the lesson makes the missing folder
     proc = run_process("03_compile.py", "--quick", "--device", "cpu", "--json", str(out),
                        "--out", str(tmp_path / "out"), tmp_path=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -732,6 +906,16 @@ def test_compile_lesson(compile_run):
                  "matmul_jax_equals_torch_eager"]:
         assert checks[name] is True, name
     assert all(checks.values()), checks
+    # each check is its measured error against a tolerance tight enough that bf16 or the tanh
+    # GELU would fail it (fp32 on the CPU: 1e-5), with room left above fp32 rounding
+    for section, prefix in [("overhead", "overhead"), ("bandwidth", "bandwidth"), ("compute", "matmul")]:
+        errors, tol = r[section]["error"], r[section]["tolerance"]
+        assert tol == 1e-5
+        assert set(errors) == {"torch_compile_equals_eager", "jax_jit_equals_jax_eager",
+                               "jax_equals_torch_eager"}
+        for check, error in errors.items():
+            assert checks[f"{prefix}_{check}"] == (error <= tol)
+            assert error < tol / 3, (section, check, error)
     # fusion: eager dispatches one op per op, the compiled chain is one call
     launches = r["overhead"]["launches_per_call"]
     assert launches["eager"]["ops_dispatched"] == r["overhead"]["n_ops"] == 48
@@ -767,7 +951,7 @@ def test_compile_lesson(compile_run):
     assert bw["bytes_eager"] * 3 == bw["bytes_floor"] * 11
 
 
-def test_compile_fused_chain_regime_follows_from_its_numbers(compile_run):
+def test_compile_fused_chain_regime_follows_from_its_numbers(compile_run, compile_lesson):
     bw = compile_run[1]["bandwidth"]
     # the roofs from their best repetition: a copy reads and writes N fp32 values, a square
     # n x n matmul does 2 n^3 FLOPs; the ridge is their ratio
@@ -780,10 +964,18 @@ def test_compile_fused_chain_regime_follows_from_its_numbers(compile_run):
     # XLA counts ~5.7 FLOP/B for the exact-erf chain, and the bytes of one fused pass
     assert 4 < bw["intensity_flop_per_byte"] < 8
     assert abs(bw["xla_bytes"] / bw["bytes_floor"] - 1) < 0.1
-    # the classification follows from the numbers, and a CPU's ridge is below the chain's intensity,
-    # unless a busy machine slowed the copy so much that the fused chain beat the floor: flagged
+    # the classification follows from the numbers. The roofs (and floor, ridge, regime, bound)
+    # are unreliable by the one rule: their best run's samples spread wider than its median, or
+    # the fastest fused chain moved bytes (did FLOPs) more than 10% faster than the roof allows
     assert (bw["regime"] == "compute-bound") == (bw["intensity_flop_per_byte"] > bw["ridge_flop_per_byte"])
-    assert bw["unreliable"] == (min(bw["vs_floor"]["torch_compile"], bw["vs_floor"]["jax_jit"]) < 0.9)
+    copy = min(bw["roof_times"]["copy"], key=lambda t: t["min_s"])
+    matmul = min(bw["roof_times"]["fp32_matmul"], key=lambda t: t["min_s"])
+    fused_s = min(bw["time"]["torch_compile"]["median_s"], bw["time"]["jax_jit"]["median_s"])
+    copy_doubt = (copy["max_s"] - copy["min_s"] > copy["median_s"]
+                  or bw["bytes_floor"] / fused_s > 1.1 * bw["copy_bandwidth_Bps"])
+    matmul_doubt = (matmul["max_s"] - matmul["min_s"] > matmul["median_s"]
+                    or bw["xla_flops"] / fused_s > 1.1 * bw["fp32_peak_flops"])
+    assert bw["unreliable"] == (copy_doubt or matmul_doubt)
     # the roofline bound is the larger of the two roofs' times. Which one it is depends on the
     # measured ridge, a timing: reported by the lesson, never asserted here
     assert bw["roofline_bound_s"] == pytest.approx(max(bw["floor_s"], bw["xla_flops"] / bw["fp32_peak_flops"]))
@@ -792,15 +984,58 @@ def test_compile_fused_chain_regime_follows_from_its_numbers(compile_run):
 def test_compile_quiet_output_and_no_stray_files(compile_run):
     proc, r, tmp_path = compile_run
     assert not (tmp_path / "out").exists()  # this lesson draws no figure, so --out stays uncreated
-    assert not list(tmp_path.glob("*.tmp*"))  # the JSON written atomically
+    assert not list(tmp_path.rglob("*.tmp*"))  # no stray files beside the JSON
+    assert [p.name for p in (tmp_path / "missing").iterdir()] == ["03_compile.json"]
     # no stray profiler lines (kineto's USDT profiler_start / profiler_stop), no tracebacks
     assert "USDT" not in proc.stdout + proc.stderr and "profiler_start" not in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
+def compile_sections(stdout):
+    """The printed lines of the overhead, bandwidth and compute experiments, by section."""
+    lines = {"overhead": [], "bandwidth": [], "compute": []}
+    current = None
+    for line in stdout.splitlines():
+        for number, section in [("1.", "overhead"), ("2.", "bandwidth"), ("3.", "compute")]:
+            if line.startswith(number + " "):
+                current = section
+        if line.startswith("4a."):
+            current = None
+        if current is not None:
+            lines[current].append(line)
+    return lines
+
+
+def test_compile_marks_every_number_derived_from_an_unreliable_timing(compile_run, compile_lesson):
+    proc, r, _ = compile_run
+    busy = compile_lesson.BUSY
+    # the one rule, as a function
+    assert compile_lesson.unreliable(dict(median_s=1.0, min_s=0.5, max_s=2.0))  # spread > median
+    assert not compile_lesson.unreliable(dict(median_s=1.0, min_s=0.9, max_s=1.2), 1.05, 1.0)
+    assert compile_lesson.unreliable(dict(median_s=1.0, min_s=0.9, max_s=1.1), 1.2, 1.0)
+    lines = compile_sections(proc.stdout)
+    for section in ("overhead", "bandwidth", "compute"):
+        times = r[section]["time"]
+        for name, t in times.items():
+            assert t["unreliable"] == (t["max_s"] - t["min_s"] > t["median_s"])
+            [line] = [l for l in lines[section] if l.startswith(f"  {name:16s} ")]
+            measured = line.split(";")[0]  # the timing; its note after the ";" may be derived
+            assert (busy in measured) == t["unreliable"], line
+        # a speedup is marked when either of its two timings is
+        for name, baseline in [("torch_compile", "eager"), ("jax_jit", "jax_eager")]:
+            [line] = [l for l in lines[section] if f"{name} speedup over {baseline}:" in l]
+            doubt = times[name]["unreliable"] or times[baseline]["unreliable"]
+            assert line.endswith(busy) == doubt, line
+    # the bandwidth experiment's floor, ridge and regime carry the roofs' mark
+    [regime] = [l for l in lines["bandwidth"] if "so the fused chain is" in l]
+    assert regime.endswith(busy) == r["bandwidth"]["unreliable"]
+
+
 @pytest.mark.parametrize("argv, code", [
     (["--device", "tpu"], 2),
-    (["--json", "/nonexistent-folder/r.json"], 1),
+    (["--json", ""], 2),
+    (["--out", ""], 2),
+    (["--json", "/proc/03_compile.json"], 1),  # a folder nobody can write to
     (["--json", "."], 1),
     (["--out", "03_compile.py"], 1),
     (["--device", "cuda"], None if torch.cuda.is_available() else 1),  # no GPU: one line, exit 1
@@ -809,6 +1044,18 @@ def test_compile_quiet_output_and_no_stray_files(compile_run):
 def test_compile_bad_input_refused_before_the_work(compile_lesson, argv, code, monkeypatch):
     monkeypatch.chdir(compile_lesson.__file__.rsplit("/", 1)[0])
     assert refused(compile_lesson.parse_args, argv) == code
+
+
+def test_compile_ctrl_c_one_line_exit_130(tmp_path):
+    proc = interrupt("03_compile.py", "--quick", "--device", "cpu", after=3, tmp_path=tmp_path)
+    assert proc.returncode == 130
+    assert proc.stderr.strip() == "interrupted"
+
+
+def test_compile_json_folder_made_at_the_start(compile_lesson, tmp_path):
+    path = tmp_path / "a" / "b" / "r.json"
+    assert refused(compile_lesson.parse_args, ["--json", str(path)]) is None
+    assert path.parent.is_dir() and not path.exists()
 
 
 # ---------------------------------------------------------------------------------------
@@ -850,11 +1097,14 @@ def test_memory_accounting_is_exact(memory):
         assert a["predicted"][k] == a["counted"][k], k
     assert all(a["counted"][k] == v for k, v in state_bytes(cfg).items())
     assert a["counted"]["params"] + a["counted"]["grads"] + a["counted"]["optimizer"] == 16 * param_count(cfg)
-    assert abs(a["predicted"]["activations"] / a["counted"]["activations"] - 1) < 0.01
+    # activations too, to the byte on a CPU: each tensor saved for backward is in the accounting
+    assert a["predicted"]["activations"] == a["counted"]["activations"]
     assert all(memory["checks"][f"anatomy_{k}_exact"] for k in ("params", "grads", "optimizer"))
     # the anatomy is shown term by term, and the terms add up to the total
     assert sum(a["activation_terms"].values()) == a["predicted"]["activations"]
-    assert a["activation_terms"]["log_softmax"] == 4 * cfg.vocab_size * memory["config"]["batch_size"] * cfg.block_size
+    # the logits, the largest single term at a 50304 vocabulary, under the name a reader knows
+    logits = a["activation_terms"]["logits (fp32 log-softmax, V per token)"]
+    assert logits == 4 * cfg.vocab_size * memory["config"]["batch_size"] * cfg.block_size
 
 
 def test_memory_autocast_keeps_state_fp32(memory):
@@ -883,7 +1133,7 @@ def test_memory_predictions_in_the_rows_are_the_accounting(memory, memory_lesson
         assert row["activations_predicted"] == activation_bytes(config, batch, bf16=bf16), name
         assert row["peak_predicted"] == memory_lesson.predicted_peak(config, batch, bf16), name
         assert row["activations_counted"] == row["activations_measured"], name  # CPU: the count
-        assert abs(row["activations_predicted"] / row["activations_counted"] - 1) < 0.01, name
+        assert row["activations_predicted"] == row["activations_counted"], name  # to the byte
 
 
 def test_memory_accumulated_grads_equal_full_batch(memory):
@@ -891,6 +1141,8 @@ def test_memory_accumulated_grads_equal_full_batch(memory):
     assert memory["checks"]["accumulated_grads_equal_full_batch"] is True
     assert acc["grad_max_rel_error"] < 1e-5
     assert acc["activations_counted_micro"] < acc["activations_counted_full"]
+    assert acc["activations_counted_micro"] == acc["activations_predicted_micro"]
+    assert acc["activations_counted_full"] == acc["activations_predicted_full"]
     assert acc["peak_rise_micro"] < acc["peak_rise_full"]
     assert all(memory["checks"].values()), memory["checks"]
 
@@ -900,11 +1152,11 @@ def test_memory_peak_predicted_matches_the_profiler(memory):
     cfg = GPTConfig(**{k: v for k, v in memory["config"].items() if k not in ("batch_size", "seq_len")})
     tokens = memory["config"]["batch_size"] * cfg.block_size
     for name, row in memory["configurations"]["rows"].items():
-        assert abs(row["peak_predicted"] / row["peak"] - 1) < 0.05, name
+        assert abs(row["peak_predicted"] / row["peak_measured"] - 1) < 0.05, name
         # below the sum of state, activations and the head's gradients: backward frees each
         # layer's activations as it writes that layer's gradients
         naive = 16 * param_count(cfg) + row["activations_counted"] + 8 * cfg.vocab_size * tokens
-        assert row["peak"] < naive, name
+        assert row["peak_measured"] < naive, name
 
 
 def hand_largest_batch(config, budget, bf16):
@@ -981,20 +1233,36 @@ def test_memory_big_model_fits_only_with_the_techniques(memory, memory_lesson):
 def test_memory_figure(memory_run):
     out = memory_run[2] / "out"
     assert (out / "04_memory.png").stat().st_size > 10_000
-    assert not list(out.glob("*.tmp*"))  # written atomically
     assert "USDT" not in memory_run[0].stdout + memory_run[0].stderr
 
 
 @pytest.mark.parametrize("argv, code", [
     (["--budget-gb", "0"], 2), (["--budget-gb", "-1"], 2), (["--budget-gb", "nan"], 2),
     (["--budget-gb", "inf"], 2), (["--budget-gb", "lots"], 2),
-    (["--json", "/nonexistent-folder/r.json"], 1), (["--json", "."], 1), (["--out", "04_memory.py"], 1),
+    (["--json", ""], 2), (["--out", ""], 2),  # an empty path
+    (["--json", "."], 1), (["--out", "a_file"], 1),  # a folder for a file, a file for a folder
+    (["--json", "/proc/no-such-folder/r.json"], 1), (["--out", "/proc/no-such-folder"], 1),
+    (["--json", "new/deeper/r.json", "--out", "figures/new"], None),  # folders made
     (["--device", "cuda"], None if torch.cuda.is_available() else 1),
     (["--budget-gb", "16", "--quick"], None),
 ])
-def test_memory_bad_input_refused_before_the_work(memory_lesson, argv, code, monkeypatch):
-    monkeypatch.chdir(os.path.dirname(memory_lesson.__file__))
+def test_memory_bad_input_refused_before_the_work(memory_lesson, argv, code, monkeypatch,
+                                                  tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
     assert refused(memory_lesson.parse_args, argv) == code
+    if code is None and "new/deeper/r.json" in argv:
+        assert (tmp_path / "new" / "deeper").is_dir() and (tmp_path / "figures" / "new").is_dir()
+        assert not (tmp_path / "new" / "deeper" / "r.json").exists()  # written after the work
+
+
+def test_memory_without_model_file_says_which_to_copy(tmp_path):
+    shutil.copy(HERE / "04_memory.py", tmp_path / "04_memory.py")
+    proc = subprocess.run([sys.executable, "04_memory.py", "--quick"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: model_torch.py is missing: copy it beside 04_memory.py"]
 
 
 def test_memory_ctrl_c_is_one_line_and_exit_130(tmp_path):
@@ -1042,6 +1310,11 @@ def check_ddp_scratch(r, world):
                                       b[k]["busbw_GBps"]):  # nccl-tests' definitions
             assert algbw == pytest.approx(S / t / 1e9) and busbw == pytest.approx(
                 algbw * 2 * (world - 1) / world)
+        # one rule for "unreliable": a spread wider than the median; a fit on one is too
+        for t, spread, unreliable in zip(b[k]["median_s"], b[k]["spread_s"], b[k]["unreliable"]):
+            assert unreliable == (spread > t)
+        if any(b[k]["unreliable"]):
+            assert not b[k]["fit"]["reliable"]
     # this GPT's gradients: every fp32 parameter once (the tied matrix once), bucketed = per tensor
     g = r["gradients"]
     config = GPTConfig.preset("tiny", n_layer=2, vocab_size=4096)
@@ -1120,17 +1393,73 @@ def test_ddp_scratch_half_set_environment_fails_clearly(no_launch, monkeypatch, 
 
 
 def test_ddp_scratch_refuses_bad_input(tmp_path):
+    """Bad flags and paths where no file can be made: argparse's one line, exit 2."""
     parse_args = load_lesson(DDP_SCRATCH).parse_args
-    for bad in (["--interconnect", "nvlink"], ["--device", "gpu"], ["--max-mb", "0"]):
-        assert refused(parse_args, bad) == 2, bad
-    (tmp_path / "a_file").write_text("")
-    for bad in (["--json", str(tmp_path / "missing" / "r.json")], ["--json", str(tmp_path)],
-                ["--out", str(tmp_path / "a_file")]):
-        assert refused(parse_args, bad) == 1, bad
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    bad_input = [["--interconnect", "nvlink"], ["--device", "gpu"], ["--json", ""],
+                 ["--out", ""], ["--json", str(tmp_path)], ["--out", str(a_file)],
+                 ["--json", str(a_file / "r.json")], ["--out", str(a_file / "figures")],
+                 ["--json", "/proc/no/r.json"], ["--out", "/proc/figures"]]
     if not torch.cuda.is_available():
-        assert refused(parse_args, ["--device", "cuda"]) == 1
-    for good in ([], ["--interconnect", "staged"], ["--json", str(tmp_path / "r.json")]):
+        bad_input.append(["--device", "cuda"])
+    for bad in bad_input:
+        assert refused(parse_args, bad) == 2, bad
+    missing = tmp_path / "missing"  # made at the end of a run, not while parsing
+    good_input = [[], ["--interconnect", "staged"], ["--json", str(tmp_path / "r.json")],
+                  ["--json", str(missing / "r.json")], ["--out", str(missing / "figures")]]
+    for good in good_input:
         assert refused(parse_args, good) is None, good
+    assert not missing.exists()
+
+
+def simulate_ring(lesson, data):
+    """The lesson's ring schedule run on N ranks' lists of integers in plain Python: each
+    step, every rank sends its chunk to the right and the right neighbour adds it (reduce-
+    scatter) or keeps it (all-gather). Returns every rank's chunks at the end."""
+    world = len(data)
+    lengths = lesson.chunk_lengths(len(data[0]), world)
+    assert sum(lengths) == len(data[0]), f"N={world}: chunk lengths {lengths} miss elements"
+    assert lengths == sorted(lengths, reverse=True) and lengths[0] - lengths[-1] <= 1, lengths
+    starts = np.cumsum([0] + lengths)
+    chunks = []
+    for values in data:
+        chunks.append([values[starts[c]:starts[c + 1]] for c in range(world)])
+    phases = [("reduce-scatter", lesson.reduce_scatter_step),
+              ("all-gather", lesson.all_gather_step)]
+    for phase, schedule in phases:
+        for step in range(world - 1):
+            sent = [schedule(rank, step, world)[0] for rank in range(world)]
+            messages = [chunks[rank][sent[rank]] for rank in range(world)]  # before any add
+            for rank in range(world):
+                left = (rank - 1) % world
+                received = schedule(rank, step, world)[1]
+                assert received == sent[left], (
+                    f"N={world}, {phase} step {step}: rank {rank} receives into chunk "
+                    f"{received}, but rank {left} sends it chunk {sent[left]}")
+                if phase == "reduce-scatter":
+                    mine = chunks[rank][received]
+                    chunks[rank][received] = [a + b for a, b in zip(mine, messages[left])]
+                else:
+                    chunks[rank][received] = messages[left]
+    return chunks, starts
+
+
+def test_ddp_scratch_ring_schedule_sums_on_every_rank():
+    """The ring's chunk lengths and schedule, in milliseconds, without processes: for N = 2..5
+    and lengths below, at and not divisible by N, every rank ends with every chunk's sum."""
+    lesson = load_lesson(DDP_SCRATCH)
+    for world in range(2, 6):
+        for length in sorted({1, world - 1, world, world + 1, 2 * world + 1, 97}):
+            data = [[1000 * (rank + 1) + i for i in range(length)] for rank in range(world)]
+            total = [sum(column) for column in zip(*data)]
+            chunks, starts = simulate_ring(lesson, data)
+            for rank in range(world):
+                for c in range(world):
+                    want = total[starts[c]:starts[c + 1]]
+                    assert chunks[rank][c] == want, (
+                        f"N={world}, length {length}: rank {rank} ends with chunk {c} = "
+                        f"{chunks[rank][c]}, not the sum {want}")
 
 
 def test_ddp_scratch_ctrl_c_on_one_node_stops_the_other(tmp_path):
@@ -1205,7 +1534,7 @@ def test_06_jax_multi_process_path_on_cpus(tmp_path):
     procs = [subprocess.Popen([sys.executable, "job.py", address, str(i)], cwd=folder, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in (0, 1)]
-    outputs = [proc.communicate(timeout=180) for proc in procs]
+    outputs = [proc.communicate(timeout=400) for proc in procs]  # 2 busy cores: minutes
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
         lines = {line.split()[0]: line.split()[1:] for line in out.splitlines()
@@ -1241,7 +1570,11 @@ def test_06_ddp_two_nodes_of_two_ranks(tmp_path):
     for row in [hand] + sweep:  # a median inside its IQR; overlap a fraction of the comm time
         assert 0 < row["q1_ms"] <= row["median_ms"] <= row["q3_ms"]
         assert row["comm_ms_per_step"] > 0 and 0 <= row["overlap_fraction"] <= 1
-    assert isinstance(r["step_time"]["ddp"]["resolved"], bool)
+    ddp = r["step_time"]["ddp"]  # the verdict is the one its printed numbers give
+    assert ddp["against"] == "hand-rolled"
+    assert ddp["saves_ms"] == pytest.approx(hand["median_ms"] - ddp["median_ms"])
+    apart = ddp["q3_ms"] < hand["q1_ms"] or hand["q3_ms"] < ddp["q1_ms"]
+    assert ddp["resolved"] == apart
     assert hand["overlap_fraction"] < 0.01  # its all-reduces start after backward
     assert sweep[0]["overlap_fraction"] > 0  # many small buckets: the first ones run under backward
     assert abs(r["fsdp"]["sharded_over_replicated"] * 4 - 1) < 0.05  # FSDP2: 1/N per rank
@@ -1268,7 +1601,9 @@ def test_06_jax_three_devices_shard_what_divides(tmp_path):
     assert p["state_bytes_per_device"] == p["expected_bytes_per_device"]
     assert 0 < p["sharded_share"] < 1  # the split arrays hold 1/3 of their bytes per device:
     assert r["sharded_over_replicated"] == pytest.approx(1 - p["sharded_share"] * 2 / 3)
-    assert isinstance(r["data_parallel"]["step"]["resolved"], bool)
+    step, one = r["data_parallel"]["step"], r["single_device"]["step"]
+    assert step["saves_ms"] == pytest.approx(one["median_ms"] - step["median_ms"])
+    assert step["resolved"] == (step["q3_ms"] < one["q1_ms"] or one["q3_ms"] < step["q1_ms"])
 
 
 def test_06_wrong_launches_say_what_to_run(monkeypatch, capsys):
@@ -1295,10 +1630,44 @@ def test_06_bad_paths_refused_before_the_work(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     parse_args = load_lesson("06_ddp_prod.py").parse_args
     (tmp_path / "file").write_text("")
-    assert refused(parse_args, ["--json", str(tmp_path / "missing" / "r.json")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path)]) == 1
-    assert refused(parse_args, ["--out", str(tmp_path / "file")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path / "r.json"), "--out", str(tmp_path)]) is None
+    assert refused(parse_args, ["--json", ""]) == 2
+    assert refused(parse_args, ["--out", ""]) == 2
+    assert refused(parse_args, ["--json", str(tmp_path)]) == 2  # a folder
+    assert refused(parse_args, ["--out", str(tmp_path / "file")]) == 2  # a file
+    assert refused(parse_args, ["--json", "/proc/06/r.json"]) == 2  # cannot be made
+    assert refused(parse_args, ["--out", "/proc/06_out"]) == 2
+    # missing folders are made now, before the work; nothing else is written yet
+    args = parse_args(["--json", str(tmp_path / "a" / "r.json"), "--out", str(tmp_path / "b")])
+    assert (tmp_path / "a").is_dir() and (tmp_path / "b").is_dir()
+    assert not args.json.exists() and not any((tmp_path / "b").iterdir())
+
+
+def test_06_jax_adds_the_device_count_to_the_users_xla_flags(tmp_path):
+    """XLA_FLAGS without a device count: the lesson adds one (and says so), keeps the user's
+    flag, and runs on 4 devices, not 1; Ctrl-C then stops it with one line and exit 130."""
+    flags = "--xla_backend_optimization_level=3"
+    proc = launch("06_ddp_prod.py", "--quick", "--device", "cpu", "--out", str(tmp_path / "o"),
+                  tmp_path=tmp_path, env={"XLA_FLAGS": flags})[0]
+    said = []
+    for line in proc.stdout:
+        said.append(line)
+        if line.startswith("device:"):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert said[0].startswith("XLA_FLAGS: added --xla_force_host_platform_device_count=4")
+    assert said[-1].startswith("device: 4 x cpu"), said
+    assert proc.returncode == 130 and stderr.count("interrupted") == 1, stderr[-2000:]
+    assert "Traceback" not in stderr
+
+
+def test_06_jax_refuses_one_device(tmp_path):
+    """One device has nothing to all-reduce: a clear error, not a check passed trivially."""
+    proc = run_process("06_ddp_prod.py", "--quick", "--device", "cpu", "--out",
+                       str(tmp_path / "o"), devices=1, tmp_path=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "JAX sees 1 device" in proc.stderr and "device_count=4" in proc.stderr
+    assert "device:" not in proc.stdout  # refused before the work
 
 
 def test_06_ctrl_c_under_torchrun_one_line_per_rank(tmp_path):
@@ -1317,16 +1686,14 @@ def test_06_ctrl_c_under_torchrun_one_line_per_rank(tmp_path):
 # ---------------------------------------------------------------------------------------
 # 07_capstone_torch.py: the waterfall and --headline run in this process (no interpreter to
 # start: each costs seconds); one --quick run under torchrun (2 gloo ranks) covers DDP.
+# Every derived number is recomputed here from the raw measurements in the same JSON.
 
-SINGLE_DEVICE_RUNGS = ["fp32 eager", "+ TF32", "+ bf16 autocast", "+ flash attention (SDPA)",
-                       "+ torch.compile", "+ fused AdamW", "+ vocab 50304, 1 micro-step",
-                       "+ no host sync per step", "+ activation checkpointing"]
-DDP_RUNGS = ["+ DDP", "+ bf16 gradient all-reduce"]
-RUNG_KEYS = {"name", "ms_per_step", "tokens_per_s", "mfu_datasheet", "mfu_measured_peak",
-             "peak_mem_bytes", "activation_bytes", "loss", "loss_rel_diff", "compile_s", "speedup",
-             "tokens_per_step", "fits_24gb", "tokens_per_joule", "profile", "binds", "regime"}
-CLASSES = {"matmul", "attention", "loss", "optimizer", "norm+elementwise", "communication",
-           "idle", "other"}
+CAPSTONE_RUNGS = ["fp32 eager", "+ TF32", "+ bf16 autocast", "+ flash attention (SDPA)",
+                  "+ torch.compile", "+ fused AdamW", "+ vocab 50304, 1 micro-step",
+                  "+ no host sync per step", "+ activation checkpointing"]
+CAPSTONE_DDP_RUNGS = ["final rung, each GPU alone", "+ DDP", "+ bf16 gradient all-reduce"]
+CAPSTONE_CLASSES = ["matmul", "attention", "loss", "optimizer", "norm+elementwise",
+                    "communication", "other", "idle"]
 
 
 def small_text(tmp_path):
@@ -1336,11 +1703,49 @@ def small_text(tmp_path):
     return path
 
 
+def capstone_rederive(result):
+    """Recompute every derived number of a capstone JSON from its raw measurements."""
+    rungs = result["rungs"]
+    base = rungs[0]
+    peaks = result["peak_flops"]
+    assert base["name"] in ("fp32 eager", "final rung, each GPU alone")
+    for rung in rungs:
+        name = rung["name"]
+        ms = float(np.median(rung["step_ms"]))
+        assert rung["ms_per_step"] == pytest.approx(ms, rel=1e-12), name
+        tokens_per_s = rung["tokens_per_step"] / (ms / 1e3)
+        assert rung["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-12), name
+        assert rung["speedup"] == pytest.approx(base["ms_per_step"] / ms, rel=1e-12), (
+            f"{name}: speed-up not measured against the baseline's ms/step")
+        flops = tokens_per_s * result["flops_per_token"] / rung["world"]  # one device's
+        assert rung["mfu_measured_peak"] == pytest.approx(flops / peaks["measured"],
+                                                          rel=1e-12), (
+            f"{name}: MFU is not one device's FLOP/s over one device's peak")
+        if peaks["datasheet"] is None:
+            assert rung["mfu_datasheet"] is None, name
+        else:
+            assert rung["mfu_datasheet"] == pytest.approx(flops / peaks["datasheet"],
+                                                          rel=1e-12), name
+        gaps = [abs(a - b) / b for a, b in zip(rung["losses"][:10], base["losses"][:10])]
+        assert rung["loss_rel_gap"] == pytest.approx(max(gaps), rel=1e-9, abs=1e-15), (
+            f"{name}: loss gap not measured against the baseline's losses")
+        spread = max(rung["step_ms"]) - min(rung["step_ms"])
+        busy = spread > ms or flops > 1.1 * peaks["measured"] or base["unreliable"]
+        assert rung["unreliable"] == busy, f"{name}: the unreliable mark does not follow"
+        split = rung["profile"]
+        assert rung["binds"] == max(split, key=split.get), name
+        if rung["peak_memory_bytes"] is None:
+            assert rung["fits_24gb"] is None, name
+        else:
+            assert rung["fits_24gb"] == (rung["peak_memory_bytes"] < 23 * 2**30), name
+        assert rung["tokens_per_step"] == result["tokens_per_step"], name  # one global batch
+
+
 @pytest.fixture(scope="module")
 def capstone_torch(tmp_path_factory):
     folder = tmp_path_factory.mktemp("capstone_torch")
-    result = run_lesson("07_capstone_torch.py", "--data", str(small_text(folder)), nproc=2,
-                        tmp_path=folder)
+    result = run_lesson("07_capstone_torch.py", "--data", str(small_text(folder)),
+                        "--tokenizer", "bytes", nproc=2, tmp_path=folder)
     return dict(result, figures=sorted(p.name for p in (folder / "out").glob("*.png")))
 
 
@@ -1351,19 +1756,21 @@ def capstone_torch_module():
 
 @pytest.fixture(scope="module")
 def capstone_torch_in_process(capstone_torch_module, tmp_path_factory):
-    """`--quick --headline` run through main() in this process, then the shared state of a
-    single-process --quick run; torch's global settings are put back afterwards."""
-    m, folder = capstone_torch_module, tmp_path_factory.mktemp("capstone_torch_in_process")
-    argv = ["--quick", "--device", "cpu", "--data", str(small_text(folder)), "--out",
-            str(folder / "out")]
-    cwd, caches, threads = os.getcwd(), torch._inductor.config.force_disable_caches, \
-        torch.get_num_threads()
+    """`--quick --headline` run through main() in this process, then a --quick waterfall,
+    then the shared state of one more --quick setup; torch's settings put back after."""
+    m = capstone_torch_module
+    folder = tmp_path_factory.mktemp("capstone_torch_in_process")
+    argv = ["--quick", "--device", "cpu", "--tokenizer", "bytes", "--data",
+            str(small_text(folder)), "--out", str(folder / "out")]
+    cwd = os.getcwd()
+    caches = torch._inductor.config.force_disable_caches
+    threads = torch.get_num_threads()
     os.chdir(folder)  # the token cache goes there
     torch.set_num_threads(1)  # as under torchrun: a toy model, no threads to wait for
     try:
         m.main(argv + ["--headline", "--json", str(folder / "headline.json")])
         m.main(argv + ["--json", str(folder / "waterfall.json")])
-        run, _ = m.prepare(m.parse_args(argv), torch.device("cpu"))
+        shared, peaks, flops, _ = m.setup(m.parse_args(argv))
     finally:
         os.chdir(cwd)
         torch.set_float32_matmul_precision("highest")
@@ -1372,7 +1779,7 @@ def capstone_torch_in_process(capstone_torch_module, tmp_path_factory):
     headline = json.loads((folder / "headline.json").read_text())
     figures = sorted(p.name for p in (folder / "out").glob("*.png"))
     waterfall = json.loads((folder / "waterfall.json").read_text())
-    return dict(headline, figures=figures), run, waterfall
+    return dict(headline, figures=figures), shared, waterfall
 
 
 @pytest.fixture(scope="module")
@@ -1382,30 +1789,82 @@ def waterfall(capstone_torch_in_process):
 
 def test_capstone_torch_every_rung_runs_and_reports(waterfall):
     r = waterfall
-    assert r["lesson"] == "07_capstone_torch" and r["quick"]
-    assert r["flops_per_token"] > 0 and r["peaks"]["measured_matmul_burst"] > 0
-    assert [x["name"] for x in r["rungs"]] == SINGLE_DEVICE_RUNGS + DDP_RUNGS
-    assert all("torchrun" in x["skipped"] for x in r["rungs"][-2:])  # one process: says how
-    for rung in r["rungs"][:-2]:
-        assert RUNG_KEYS <= rung.keys(), rung["name"]
+    assert r["lesson"] == "07_capstone_torch" and r["quick"] and r["world"] == 1
+    assert r["flops_per_token"] > 0 and r["peak_flops"]["measured"] > 0
+    assert [x["name"] for x in r["rungs"]] == CAPSTONE_RUNGS
+    assert list(r["skipped"]) == CAPSTONE_DDP_RUNGS[1:]  # one process: it says how
+    assert all("torchrun" in why for why in r["skipped"].values())
+    rungs = {x["name"]: x for x in r["rungs"]}
+    for rung in r["rungs"]:
         assert rung["tokens_per_s"] > 0 and rung["ms_per_step"] > 0, rung["name"]
-        assert rung["tokens_per_step"] == r["rungs"][0]["tokens_per_step"]  # the same math
-        assert rung["regime"] and rung["binds"] in rung["profile"]  # measured, not a fixed string
-    single = r["rungs"][:-2]
+        assert rung["regime"] and rung["binds"] in rung["profile"], rung["name"]
     # reading the loss less often changes when the host waits, not what is computed
-    vocab, nosync = single[6], single[7]
+    vocab, nosync = rungs["+ vocab 50304, 1 micro-step"], rungs["+ no host sync per step"]
     assert vocab["settings"]["host_sync"] and not nosync["settings"]["host_sync"]
     assert np.allclose(nosync["losses"], vocab["losses"], rtol=1e-6, atol=0)
-    assert not single[-1]["kept"]  # checkpointing is measured, then dropped
-    assert not single[2]["kept"] and not single[3]["settings"]["bf16"]  # no bf16 units on a CPU
+    assert not rungs["+ activation checkpointing"]["kept"]  # measured, then dropped
+    assert not rungs["+ bf16 autocast"]["kept"]  # no bf16 units on a CPU:
+    assert not rungs["+ flash attention (SDPA)"]["settings"]["bf16"]  # not carried on
     assert all(r["checks"].values()), r["checks"]
 
 
+def test_capstone_torch_derived_numbers_recomputed(waterfall, capstone_torch,
+                                                   capstone_torch_in_process):
+    for result in (waterfall, capstone_torch, capstone_torch_in_process[0]):
+        capstone_rederive(result)
+    rungs = {x["name"]: x for x in capstone_torch["rungs"]}
+    alone = rungs["final rung, each GPU alone"]
+    for name in ("+ DDP", "+ bf16 gradient all-reduce"):  # against 2 x one GPU alone
+        scaling = rungs[name]["tokens_per_s"] / (2 * alone["tokens_per_s"])
+        assert rungs[name]["scaling"] == pytest.approx(scaling, rel=1e-12), name
+
+
 def test_capstone_torch_losses_track_the_baseline(waterfall):
-    r = waterfall
-    assert r["checks"]["losses_track_baseline"]
-    tol = r["loss_tolerance"]
-    assert tol <= 0.005 and all(x["loss_rel_diff"] <= tol for x in r["rungs"] if "loss" in x)
+    tolerance = 0.0015  # the lesson's LOSS_TOLERANCE, over the first 10 steps
+    assert all(x["loss_rel_gap"] <= tolerance for x in waterfall["rungs"])
+    assert waterfall["checks"]["losses_track_baseline"]
+
+
+def test_capstone_torch_rungs_count_their_steps_and_their_compile(waterfall, capstone_torch):
+    # every step is in the losses; a compile lands in the warm-up, never in a timed step
+    for rung in waterfall["rungs"] + capstone_torch["rungs"]:
+        name = rung["name"]
+        steps = rung["warmup_steps"] + rung["timed_steps"] + rung["profiled_steps"]
+        assert len(rung["losses"]) == steps, f"{name}: losses of steps not run or lost"
+        assert rung["warmup_steps"] >= 1, f"{name}: no warm-up: a compile lands in the timing"
+        assert rung["profiled_steps"] == 1, name
+        assert len(rung["step_ms"]) * 5 >= rung["timed_steps"], name
+        if not rung["settings"]["compile"]:
+            assert rung["graphs"] == 0 and rung["compile_s"] < 5, name  # nothing compiles
+        if rung["graphs"]:  # dynamo's capture alone takes ~0.4 s
+            assert rung["compile_s"] > 0.05, f"{name}: its compile is not in the warm-up"
+            assert rung["compile_s"] * 1e3 > max(rung["step_ms"]), (
+                f"{name}: a timed step is slower than the compile: it compiled there")
+    rungs = {x["name"]: x for x in waterfall["rungs"]}
+    for name in ("+ torch.compile", "+ vocab 50304, 1 micro-step"):  # new shapes: new graph
+        assert rungs[name]["graphs"] >= 1, f"{name}: no graph compiled in its warm-up"
+
+
+def test_capstone_torch_each_technique_acts(waterfall, capstone_torch):
+    rungs = {x["name"]: x for x in waterfall["rungs"]}
+    fused_from = CAPSTONE_RUNGS.index("+ fused AdamW")
+    for i, name in enumerate(CAPSTONE_RUNGS):  # the profiled step ran the fused kernel
+        fused = rungs[name]["acts"]["fused_adamw_ran"]
+        assert fused == (i >= fused_from), f"{name}: fused AdamW ran: {fused}, not as set"
+    assert rungs["+ bf16 autocast"]["acts"]["logits_dtype"] == "torch.bfloat16"
+    assert rungs["fp32 eager"]["acts"]["logits_dtype"] == "torch.float32"
+    assert rungs["+ flash attention (SDPA)"]["acts"]["logits_dtype"] == "torch.float32"
+    # TF32 on a CPU: the flag is set, and fp32 matmuls stay fp32 (no TF32 units)
+    assert rungs["+ TF32"]["settings"]["tf32"]
+    assert rungs["+ TF32"]["acts"]["fp32_matmul_rel_error"] < 1e-5
+    # the hook really sends 16-bit gradients: 2 bytes a parameter a step (fp16 on gloo)
+    ddp = {x["name"]: x for x in capstone_torch["rungs"]}
+    config = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32, vocab_size=50304)
+    hook = ddp["+ bf16 gradient all-reduce"]["acts"]
+    assert hook["allreduced_dtype"] == "torch.float16", "the hook sent no 16-bit gradients"
+    assert hook["allreduced_bytes_per_step"] == 2 * param_count(config), (
+        "the hook did not send 2 bytes a parameter a step")
+    assert "allreduced_bytes_per_step" not in ddp["+ DDP"]["acts"]  # DDP's own fp32 path
 
 
 def test_capstone_torch_checkpointing_lowers_activation_memory(waterfall):
@@ -1417,29 +1876,29 @@ def test_capstone_torch_checkpointing_lowers_activation_memory(waterfall):
 
 def test_capstone_torch_time_split_adds_up_to_the_step(waterfall, capstone_torch):
     # the classes (and idle) partition the profiled step: they sum to its wall time
-    for rung in [x for x in waterfall["rungs"] + capstone_torch["rungs"] if "loss" in x]:
+    for rung in waterfall["rungs"] + capstone_torch["rungs"]:
         split = rung["profile"]
-        assert set(split) == CLASSES and all(seconds >= 0 for seconds in split.values())
+        assert sorted(split) == sorted(CAPSTONE_CLASSES)
+        assert all(seconds >= 0 for seconds in split.values()), rung["name"]
         assert sum(split.values()) == pytest.approx(rung["profile_step_s"], rel=1e-6)
         assert split["matmul"] > 0 and split["optimizer"] > 0, rung["name"]
-    assert capstone_torch["checks"]["time_split_adds_up"] and waterfall["checks"]["time_split_adds_up"]
+    assert capstone_torch["checks"]["time_split_adds_up"]
+    assert waterfall["checks"]["time_split_adds_up"]
 
 
 def test_capstone_torch_ddp_rungs(capstone_torch):
     rungs = {x["name"]: x for x in capstone_torch["rungs"]}
-    ddp, bf16, alone = rungs["+ DDP"], rungs["+ bf16 gradient all-reduce"], \
-        rungs["final rung, each GPU alone"]
-    assert capstone_torch["world_size"] == 2 and len(rungs) == 3
-    assert ddp["world_size"] == 2 and alone["world_size"] == 1 and bf16["settings"]["bf16_grads"]
-    assert ddp["tokens_per_step"] == alone["tokens_per_step"]  # one global batch, two shares
-    # alone: the batch in 2 micro-batches, each one rank's share: the same work per GPU as DDP
+    assert list(rungs) == CAPSTONE_DDP_RUNGS and capstone_torch["world"] == 2
+    ddp, bf16 = rungs["+ DDP"], rungs["+ bf16 gradient all-reduce"]
+    alone = rungs["final rung, each GPU alone"]
+    assert ddp["world"] == 2 and alone["world"] == 1 and bf16["settings"]["bf16_grads"]
+    # alone: the batch in 2 micro-batches, each one rank's share: the same work per GPU
     assert alone["settings"]["accum"] == 2 and ddp["settings"]["accum"] == 1
-    assert ddp["scaling"] == pytest.approx(ddp["tokens_per_s"] / (2 * alone["tokens_per_s"]))
-    assert bf16["scaling"] == pytest.approx(bf16["tokens_per_s"] / (2 * alone["tokens_per_s"]))
     # DDP computes what one process computes on the whole batch: the same losses
     assert np.allclose(ddp["losses"], alone["losses"], rtol=1e-5, atol=0)
-    assert bf16["loss_rel_diff"] <= capstone_torch["loss_tolerance"]  # fp16 on gloo: same bytes
-    assert capstone_torch["interconnect"] == "default" and "gloo" in capstone_torch["transport"]
+    assert bf16["loss_rel_gap"] <= 0.0015  # fp16 on gloo: the same bytes as bf16
+    assert capstone_torch["interconnect"] == "default"
+    assert capstone_torch["figures"] == ["07_capstone_torch.png"]
 
 
 def test_capstone_torch_headline(capstone_torch_in_process):
@@ -1448,27 +1907,66 @@ def test_capstone_torch_headline(capstone_torch_in_process):
     assert base["settings"]["attn"] == "manual" and not base["settings"]["compile"]
     assert final["settings"]["compile"] and final["settings"]["vocab"] == 50304
     assert not final["settings"]["checkpoint"] and not final["settings"]["ddp"]
-    assert len(base["losses"]) == len(final["losses"]) == h["steps"]  # the same steps
-    gaps = [abs(a - b) / b for a, b in zip(final["losses"], base["losses"])]
-    assert max(gaps) == pytest.approx(h["largest_loss_gap"]) and max(gaps) <= h["tolerance"]
+    assert len(base["losses"]) == len(final["losses"]) == h["headline"]["steps"]
     assert base["losses"][-1] < base["losses"][0]  # it trains
-    assert h["time_ratio"] == pytest.approx(base["ms_per_step"] / final["ms_per_step"])
-    assert h["checks"] == {"headline_losses_track": True}
+    window = np.ones(20) / 20  # the lesson's SMOOTH
+    smooth = np.convolve(final["losses"], window, mode="valid")
+    smooth_base = np.convolve(base["losses"], window, mode="valid")
+    curve = np.max(np.abs(smooth - smooth_base) / smooth_base)
+    assert h["headline"]["curve_gap"] == pytest.approx(curve, rel=1e-9, abs=1e-15)
+    assert h["headline"]["early_gap"] == final["loss_rel_gap"]
+    ratio = base["ms_per_step"] / final["ms_per_step"]
+    assert h["headline"]["time_ratio"] == pytest.approx(ratio, rel=1e-12)
+    assert h["checks"] == {"headline_starts_the_same": True, "headline_same_curve": True}
     assert h["figures"] == ["07_capstone_torch.png", "07_capstone_torch_headline.png"]
 
 
-def test_capstone_torch_waterfall_figure_written(capstone_torch):
-    assert capstone_torch["figures"] == ["07_capstone_torch.png"]
+def test_capstone_torch_headline_check_fails_on_broken_math(capstone_torch_module,
+                                                            capstone_torch_in_process,
+                                                            monkeypatch):
+    """The headline's 'starts the same' check: honest runs pass it; a loss computed on bf16
+    logits, or a reported loss not divided by its micro-step count, fail it."""
+    m = capstone_torch_module
+    headline, shared, _ = capstone_torch_in_process
+    base_losses = headline["rungs"][0]["losses"]
+    final = dict(m.settings_for(m.FINAL, False), compile=False)  # eager: no compile to wait
+
+    def early_gap(settings):
+        raw, step, sent = m.build(settings, shared)
+        measured = m.train(raw, step, sent, settings, shared, m.EARLY_STEPS)
+        return m.loss_gap(measured["losses"], base_losses)
+
+    assert early_gap(final) <= m.LOSS_TOLERANCE  # honest
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def on_bf16_logits(logits, targets, **kwargs):
+        return cross_entropy(logits.bfloat16(), targets, **kwargs).float()
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", on_bf16_logits)
+    assert early_gap(final) > m.LOSS_TOLERANCE  # bf16 logits: ~0.3% off
+    monkeypatch.undo()
+
+    def forgets_to_divide(model, x, y, accum, bf16):
+        total = torch.zeros(())
+        for x_micro, y_micro in zip(x.chunk(accum), y.chunk(accum)):
+            _, loss = model(x_micro, y_micro)
+            (loss / accum).backward()
+            total += loss.detach()
+        return total
+
+    monkeypatch.setattr(m, "accumulate", forgets_to_divide)
+    assert early_gap(m.BASELINE) > 1.0  # 4 micro-steps: 4x the loss
 
 
 def test_capstone_torch_accumulated_gradient_equals_full_batch(capstone_torch,
                                                                capstone_torch_module,
-                                                               capstone_torch_in_process):
+                                                               capstone_torch_in_process,
+                                                               monkeypatch):
     assert capstone_torch["accumulation_rel_diff"] < 1e-4
     assert capstone_torch["checks"]["accumulated_gradient_equals_full_batch"]
     # the check can fail: a step that forgets to divide by the micro-batch count is caught
-    m, run = capstone_torch_module, capstone_torch_in_process[1]
-    assert m.accumulation_error(run) < m.ACCUM_TOLERANCE
+    m, shared = capstone_torch_module, capstone_torch_in_process[1]
+    assert m.accumulation_error(shared) < m.ACCUM_TOLERANCE
 
     def forgets_to_divide(model, x, y, accum, bf16):
         total = torch.zeros(())
@@ -1478,34 +1976,52 @@ def test_capstone_torch_accumulated_gradient_equals_full_batch(capstone_torch,
             total += loss.detach() / accum
         return total
 
-    correct, m.accumulate = m.accumulate, forgets_to_divide
-    try:
-        assert m.accumulation_error(run) > 1.0  # off by 3x
-    finally:
-        m.accumulate = correct
+    monkeypatch.setattr(m, "accumulate", forgets_to_divide)
+    assert m.accumulation_error(shared) > 1.0  # off by 3x
 
 
-def test_capstone_torch_one_process_says_how_to_run_ddp(capstone_torch_module,
-                                                        capstone_torch_in_process):
-    m = capstone_torch_module
-    rung = m.measure("+ DDP", "why", dict(m.BASELINE, ddp=True), capstone_torch_in_process[1])
-    assert "torchrun" in rung["skipped"] and not rung["kept"] and "loss" not in rung
+def test_capstone_torch_gpu_results_recompute():
+    """The committed GPU results: their derived numbers follow from their raw ones."""
+    paths = sorted((HERE / "results" / "h200").glob("07_capstone_torch*.json"))
+    for path in paths:
+        result = json.loads(path.read_text())
+        if "peak_flops" in result:  # the current format
+            capstone_rederive(result)
+            assert all(result["checks"].values()), (path.name, result["checks"])
+        rungs = {x["name"]: x for x in result.get("rungs", [])}
+        if "+ TF32" in rungs and "acts" in rungs["+ TF32"]:  # a GPU waterfall: TF32 acts
+            tf32 = rungs["+ TF32"]["acts"]["fp32_matmul_rel_error"]
+            fp32 = rungs["fp32 eager"]["acts"]["fp32_matmul_rel_error"]
+            assert tf32 > 100 * fp32, f"{path.name}: TF32 did not round the fp32 matmuls"
+            assert rungs["+ bf16 autocast"]["acts"]["logits_dtype"] == "torch.bfloat16"
+            assert rungs["+ fused AdamW"]["acts"]["fused_adamw_ran"]
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--batch", "-4"], ["--batch", "6"],
-                                  ["--steps", "0"], ["--seed", "-1"], ["--device", "tpu"],
-                                  ["--interconnect", "pcie"], ["--headline", "--batch", "2"]])
+                                  ["--batch", "100000"], ["--steps", "0"],
+                                  ["--steps", "100000"], ["--device", "tpu"],
+                                  ["--interconnect", "pcie"], ["--tokenizer", "spm"],
+                                  ["--headline", "--batch", "2"]])
 def test_capstone_torch_bad_arguments_exit_2(capstone_torch_module, argv):
     assert refused(capstone_torch_module.parse_args, argv) == 2
 
 
 def test_capstone_torch_bad_output_paths_refused_first(capstone_torch_module, tmp_path):
-    parse = capstone_torch_module.parse_args
+    m = capstone_torch_module
     (tmp_path / "file").write_text("x")
-    assert refused(parse, ["--json", str(tmp_path / "missing" / "r.json")]) == 1
-    assert refused(parse, ["--json", str(tmp_path)]) == 1
-    assert refused(parse, ["--out", str(tmp_path / "file")]) == 1
-    assert refused(parse, ["--json", str(tmp_path / "r.json"), "--out", str(tmp_path)]) is None
+
+    def refused_path(argv):
+        return refused(lambda a: m.check_paths(m.parse_args(a)), argv)
+
+    assert refused_path(["--json", "", "--out", str(tmp_path)]) == 1
+    assert refused_path(["--json", str(tmp_path)]) == 1  # a folder
+    assert refused_path(["--out", ""]) == 1
+    assert refused_path(["--out", str(tmp_path / "file")]) == 1  # a file
+    assert refused_path(["--out", str(tmp_path / "file" / "out")]) == 1  # cannot be made
+    # missing folders are made before the work; nothing is written in them yet
+    argv = ["--json", str(tmp_path / "a" / "r.json"), "--out", str(tmp_path / "b")]
+    assert refused_path(argv) is None
+    assert (tmp_path / "a").is_dir() and not any((tmp_path / "b").iterdir())
 
 
 @pytest.mark.parametrize("content", ["missing", "folder", b"", b"0123456789", b"\x7fELF\x02\x01"
@@ -1517,7 +2033,7 @@ def test_capstone_torch_bad_data_refused_without_a_cache(capstone_torch_module, 
     elif content != "missing":
         path.write_bytes(content)
     with pytest.raises(SystemExit) as refusal:
-        capstone_torch_module.load_tokens(str(path), 18, cache_dir=tmp_path / "cache")
+        capstone_torch_module.load_tokens(str(path), "bytes", 18, cache_dir=tmp_path / "cache")
     assert isinstance(refusal.value.code, str) and refusal.value.code.startswith("error: --data")
     assert "\n" not in refusal.value.code  # one line
     assert not list(tmp_path.glob("cache/*"))  # nothing left behind
@@ -1525,17 +2041,38 @@ def test_capstone_torch_bad_data_refused_without_a_cache(capstone_torch_module, 
 
 def test_capstone_torch_empty_cache_is_treated_as_absent(capstone_torch_module, tmp_path):
     data, cache = small_text(tmp_path), tmp_path / "cache"
-    tokens, _ = capstone_torch_module.load_tokens(str(data), 18, cache_dir=cache)
+    tokens, _ = capstone_torch_module.load_tokens(str(data), "bytes", 18, cache_dir=cache)
     [cached] = cache.glob("tokens-*.npy")
     cached.write_bytes(b"")  # what a Ctrl-C during the first run could leave
-    again, _ = capstone_torch_module.load_tokens(str(data), 18, cache_dir=cache)
+    again, _ = capstone_torch_module.load_tokens(str(data), "bytes", 18, cache_dir=cache)
     assert np.array_equal(again, tokens) and cached.stat().st_size > 0
 
 
+def test_capstone_torch_tokenizer_without_network(capstone_torch_module, tmp_path,
+                                                  monkeypatch, capsys):
+    """No cached BPE files, no network: one line saying how to cache them, then bytes;
+    --tokenizer bytes never looks; --tokenizer gpt2 refuses. No test opens a socket."""
+    m = capstone_torch_module
+
+    def no_network(*args, **kwargs):
+        raise OSError("no network in the tests")
+
+    monkeypatch.setattr(m.socket, "create_connection", no_network)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    assert m.gpt2_encoding("bytes") is None and capsys.readouterr().out == ""
+    assert m.gpt2_encoding("auto") is None
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and "TIKTOKEN_CACHE_DIR" in said[0] and "UTF-8 bytes" in said[0]
+    with pytest.raises(SystemExit) as refusal:
+        m.load_tokens(str(small_text(tmp_path)), "gpt2", 18, cache_dir=tmp_path / "cache")
+    assert refusal.value.code.startswith("error: --tokenizer gpt2")
+
+
 def test_capstone_torch_ctrl_c_one_line_exit_130(tmp_path):
-    # Ctrl-C once the work has begun (its second line printed), not during `import torch`
-    [proc] = launch("07_capstone_torch.py", "--quick", "--device", "cpu", "--data",
-                    str(small_text(tmp_path)), "--out", str(tmp_path / "out"), tmp_path=tmp_path)
+    # Ctrl-C once the work has begun (its data line printed), not during `import torch`
+    [proc] = launch("07_capstone_torch.py", "--quick", "--device", "cpu", "--tokenizer",
+                    "bytes", "--data", str(small_text(tmp_path)), "--out",
+                    str(tmp_path / "out"), tmp_path=tmp_path)
     for line in proc.stdout:
         if line.startswith("data:"):
             break
@@ -1543,6 +2080,14 @@ def test_capstone_torch_ctrl_c_one_line_exit_130(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+def test_capstone_torch_ctrl_c_while_importing(tmp_path):
+    # Ctrl-C a moment after start, while torch is still importing: the same one line
+    result = interrupt("07_capstone_torch.py", "--quick", "--device", "cpu", after=2.0,
+                       tmp_path=tmp_path)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert result.stderr.strip() == "interrupted"
 
 
 # ---------------------------------------------------------------------------------------
@@ -1562,147 +2107,268 @@ def readme_text(tmp_path):
 
 
 def start(tmp_path, *args, devices=None):
-    """Start `--quick --device cpu --json --out *args` (what run_lesson runs) without waiting."""
+    """Start `--quick --device cpu --tokenizer bytes --json --out *args` without waiting."""
     result = tmp_path / "result.json"
-    proc = launch(JAX_CAPSTONE, "--quick", "--device", "cpu", "--json", str(result), "--out",
-                  str(tmp_path / "out"), *args, tmp_path=tmp_path, devices=devices)[0]
+    proc = launch(JAX_CAPSTONE, "--quick", "--device", "cpu", "--tokenizer", "bytes", "--json",
+                  str(result), "--out", str(tmp_path / "out"), *args, tmp_path=tmp_path,
+                  devices=devices)[0]
     return proc, result
 
 
 @pytest.fixture(scope="module")
 def capstone_jax(tmp_path_factory):
-    # Three runs side by side (each is mostly one thread): every rung of the waterfall for a
-    # step or two, the last one sharded over 4 simulated CPU devices (the staged interconnect
-    # changes nothing on a CPU: it must still run); the headline run; and a run that gets
-    # Ctrl-C once it is under way (after its first line), as a terminal sends it.
-    runs = {name: tmp_path_factory.mktemp(name) for name in ("waterfall", "headline", "ctrl_c")}
-    text = ["--data", readme_text(runs["waterfall"])]  # the Ctrl-C run reads the stdlib default
-    procs = {"waterfall": start(runs["waterfall"], "--interconnect", "staged", *text, devices=4),
+    # Four runs side by side (each mostly one thread): every rung of the waterfall for a step
+    # or two, the last one sharded over 4 simulated CPU devices; the headline; and two runs
+    # that get Ctrl-C as a terminal sends it: one inside its imports (1 s in), one once it
+    # is under way (after its first line).
+    names = ("waterfall", "headline", "ctrl_c_early", "ctrl_c")
+    runs = {name: tmp_path_factory.mktemp(name) for name in names}
+    text = ["--data", readme_text(runs["waterfall"])]  # the Ctrl-C runs read the stdlib
+    procs = {"waterfall": start(runs["waterfall"], *text, devices=4),
              "headline": start(runs["headline"], "--headline", *text),
+             "ctrl_c_early": start(runs["ctrl_c_early"]),
              "ctrl_c": start(runs["ctrl_c"])}
+    time.sleep(1)
+    os.killpg(procs["ctrl_c_early"][0].pid, signal.SIGINT)
     for line in procs["ctrl_c"][0].stdout:
         if line.startswith("device:"):
             break
     os.killpg(procs["ctrl_c"][0].pid, signal.SIGINT)
     outputs = {name: proc.communicate(timeout=300) for name, (proc, _) in procs.items()}
-    results = {"ctrl_c": (procs["ctrl_c"][0].returncode, outputs["ctrl_c"][1])}
+    results = {}
+    for name in ("ctrl_c_early", "ctrl_c"):
+        results[name] = (procs[name][0].returncode, outputs[name][1])
     for name in ("waterfall", "headline"):
         proc, result = procs[name]
         assert proc.returncode == 0, (name, outputs[name][0][-3000:], outputs[name][1][-3000:])
-        results[name] = (json.loads(result.read_text()), runs[name])
+        results[name] = (json.loads(result.read_text()), runs[name], outputs[name][0])
     return results
 
 
-def test_capstone_jax_every_rung_runs_and_reports(capstone_jax):
-    out, tmp_path = capstone_jax["waterfall"]
+@pytest.fixture(scope="module")
+def capstone_jax_lesson():
+    return load_lesson(JAX_CAPSTONE)
+
+
+def jax_rungs(out):
+    return {r["name"]: r for r in out["rungs"]}
+
+
+def test_capstone_jax_every_rung_runs_and_reports(capstone_jax, capstone_jax_lesson):
+    lesson = capstone_jax_lesson
+    out, tmp_path, stdout = capstone_jax["waterfall"]
     assert out["lesson"] == "07_capstone_jax" and out["quick"] and out["device"]["count"] == 4
-    rungs = {r["name"]: r for r in out["rungs"]}
-    assert len(rungs) == len(out["rungs"]) == 11
-    for r in out["rungs"]:  # every rung ran and reported (no skip, no failure)
-        assert "failed" not in r and "skipped" not in r, r
+    assert [r["name"] for r in out["rungs"]] == [name for name, _, _ in lesson.RUNGS]
+    for r in out["rungs"]:  # every rung ran (no skip), with its own settings
+        assert "skipped" not in r, r
+        assert r["settings"] == lesson.settings_for(r["name"], False)
+        assert r["kept"] == lesson.is_kept(r["name"], False)  # a CPU keeps no bf16
+        steps = r["warmup_steps"] + r["timed_steps"] + r["profiled_steps"]
+        assert len(r["losses"]) == steps, (f"{r['name']}: {len(r['losses'])} losses for "
+                                           f"{steps} steps (warm-up + timed + profiled)")
+        assert r["warmup_steps"] >= 1, f"{r['name']}: no warm-up before the timed steps"
+        assert r["profiled_steps"] >= 1 and r["timed_steps"] == len(r["step_ms"]) * (
+            lesson.steps_per_call(r["settings"]))
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["mfu_measured_peak"] > 0
-        assert r["tokens_per_step"] == out["tokens_per_step"]  # the same math on every rung
-    base, jit = out["rungs"][0], out["rungs"][1]
-    assert base["settings"]["jit"] is False and base["compile_s"] == 0 and jit["compile_s"] > 0
+    rungs = jax_rungs(out)
+    base, jit = rungs["un-jitted (op-by-op)"], rungs["+ jax.jit (whole step)"]
+    assert base["settings"] == lesson.BASELINE and base["compile_s"] == 0
+    assert jit["compile_s"] > 0, "the jitted rung's compile was measured"
+    # "compiling" is said once per program that really compiles, each with its time after it
+    compiles = [r for r in out["rungs"] if r["compile_s"] > 0]
+    assert stdout.count("compiling the whole step") == len(compiles) == stdout.count(
+        "compiled in")
     assert base["settings"]["precision"] == "highest" and not base["settings"]["pad_vocab"]
     # waiting for the device less often changes when Python waits, not what is computed
     vocab, nosync = rungs["+ vocab 50304, 1 micro-step"], rungs["+ no host sync per step"]
     common = min(len(vocab["losses"]), len(nosync["losses"]))
-    assert vocab["settings"]["steps_per_sync"] == 1 and nosync["settings"]["steps_per_sync"] > 1
+    assert vocab["settings"]["host_sync"] and not nosync["settings"]["host_sync"]
     assert np.allclose(nosync["losses"][:common], vocab["losses"][:common], rtol=1e-6, atol=0)
-    cublas = rungs["+ cuBLAS for every matmul"]  # a kernel choice: the same math
+    cublas = rungs[lesson.FINAL]  # a kernel choice: the same math
     assert cublas["settings"]["triton_gemm"] is False
     assert np.allclose(cublas["losses"][:common], nosync["losses"][:common], rtol=1e-6, atol=0)
-    # the detours are measured and dropped: the sharded rung builds on the last kept rung
-    shard = out["rungs"][-1]
-    assert not rungs["+ activation checkpointing (detour)"]["kept"]
-    assert shard["builds_on"] == "+ cuBLAS for every matmul" and not shard["settings"]["checkpoint"]
-    assert shard["world_size"] == 4 and shard["tokens_per_step"] == base["tokens_per_step"]
-    assert out["flops_per_token"] > 0 and out["peaks"]["measured_matmul_burst"] > 0
+    shard = rungs[lesson.SHARDED]  # the detours are dropped: it builds on the final rung
+    assert shard["settings"] == dict(lesson.settings_for(lesson.FINAL, False), shard=True)
+    assert shard["world"] == 4 and all(r["world"] == 1 for r in out["rungs"][:-1])
+    assert out["flops_per_token"] > 0 and out["peak_flops"]["measured"] > 0
     assert all(out["checks"].values()), out["checks"]
     assert (tmp_path / "out" / "07_capstone_jax.png").exists()
 
 
+def test_capstone_jax_derived_numbers_are_the_raw_ones(capstone_jax):
+    # every derived number recomputed from the raw measurements in the same JSON
+    out, _, _ = capstone_jax["waterfall"]
+    base = jax_rungs(out)["un-jitted (op-by-op)"]
+    peak = out["peak_flops"]
+    for r in out["rungs"]:
+        ms = float(np.median(r["step_ms"]))
+        assert r["ms_per_step"] == pytest.approx(ms, rel=1e-12), "ms/step: the timed median"
+        tokens_per_s = out["tokens_per_step"] / (ms / 1e3)
+        assert r["tokens_per_s"] == pytest.approx(tokens_per_s, rel=1e-12)
+        assert r["speedup"] == pytest.approx(base["ms_per_step"] / ms, rel=1e-12), \
+            f"{r['name']}: speed-up not measured against the baseline rung"
+        per_device = tokens_per_s * out["flops_per_token"] / r["world"]
+        assert r["mfu_measured_peak"] == pytest.approx(per_device / peak["measured"]), \
+            f"{r['name']}: MFU is per device (world {r['world']}) over the measured peak"
+        assert r["mfu_datasheet"] is None and peak["datasheet"] is None  # a CPU: none
+        gap = max(abs(a - b) / b for a, b in zip(r["losses"], base["losses"]))
+        assert r["loss_rel_gap"] == pytest.approx(gap, rel=1e-12, abs=1e-15)
+        spread = max(r["step_ms"]) - min(r["step_ms"])
+        busy = spread > ms or r["mfu_measured_peak"] > 1.1
+        assert r["unreliable"] == (busy or base["unreliable"])
+        assert r["binds"] == max(r["profile"], key=r["profile"].get)
+        if r["peak_memory_bytes"] is not None:  # the un-jitted rung on a CPU: none
+            assert r["fits_24gb"] == (r["peak_memory_bytes"] <= 23 * 2**30)
+
+
 def test_capstone_jax_losses_track_the_baseline(capstone_jax):
-    out, _ = capstone_jax["waterfall"]
+    out, _, _ = capstone_jax["waterfall"]
     assert out["checks"]["losses_track_baseline"]
-    assert all(r["loss_rel_diff"] <= out["loss_check"]["rel_tolerance"] for r in out["rungs"])
+    assert all(r["loss_rel_gap"] <= out["loss_tolerance"] for r in out["rungs"])
 
 
-def test_capstone_jax_checkpointing_lowers_activation_memory(capstone_jax):
-    out, _ = capstone_jax["waterfall"]
-    rungs = {r["name"]: r for r in out["rungs"]}
-    ckpt = rungs["+ activation checkpointing (detour)"]
-    assert ckpt["activation_bytes"] < rungs[ckpt["builds_on"]]["activation_bytes"]
+def test_capstone_jax_each_technique_acts(capstone_jax, capstone_jax_lesson):
+    # not only configured: seen in the compiled programs and the buffers
+    lesson = capstone_jax_lesson
+    out, _, _ = capstone_jax["waterfall"]
+    rungs = jax_rungs(out)
+    for r in out["rungs"]:  # donated state: the step's inputs are gone after it
+        assert r["acts"]["donated_inputs_deleted"] == r["settings"]["donate"], r["name"]
+    for r in out["rungs"][1:]:
+        facts = r["acts"]
+        assert (facts["bf16_dots"] > 0) == r["settings"]["bf16"], (r["name"], facts)
+        assert (facts["all_reduces"] > 0) == r["settings"]["shard"], (r["name"], facts)
+        assert facts["f32_vocab_exps"] > 0, f"{r['name']}: the loss's softmax is not in fp32"
+    checkpointed = rungs["+ activation checkpointing"]
+    assert checkpointed["activation_bytes"] < rungs[lesson.FINAL]["activation_bytes"]
+    assert out["checks"]["checkpointing_lowers_memory"]
 
 
-def test_capstone_jax_accumulated_gradient_is_the_full_batch_gradient(capstone_jax):
-    # the check that catches a lost "/ accum" (a mutation the losses do not see: AdamW's
-    # update is scale-free); the lesson also exits 1 if it fails
-    out, _ = capstone_jax["waterfall"]
+def test_capstone_jax_accumulated_gradient_is_the_full_batch_gradient(capstone_jax,
+                                                                      capstone_jax_lesson,
+                                                                      monkeypatch):
+    # the check that catches a lost "/ accum" (which the losses do not see: AdamW's update
+    # is scale-free); the lesson exits 1 if it fails
+    out, _, _ = capstone_jax["waterfall"]
     assert out["accumulation_rel_error"] < 1e-4
     assert out["checks"]["accumulated_gradient_equals_full_batch"]
+    lesson = capstone_jax_lesson
+    right = lesson.accumulated_grads
+
+    def forgets_to_divide(model, x, y, accum, jitted=True):
+        loss, grads = right(model, x, y, accum, jitted)
+        return loss, lesson.jax.tree.map(lambda g: g * accum, grads)
+
+    monkeypatch.setattr(lesson, "accumulated_grads", forgets_to_divide)
+    assert lesson.accumulation_error() > 1  # 4x the gradient: error 3
 
 
 def test_capstone_jax_profile_splits_the_step(capstone_jax):
-    # the kernel classes plus idle add up to the profiled step (idle = step - busy), and the
-    # un-jitted rung, which dispatches every op from Python, is bound by idle time
-    out, _ = capstone_jax["waterfall"]
+    # the kernel classes plus idle add up to the profiled step, and the un-jitted rung, which
+    # dispatches every op from Python, is bound by idle time
+    out, _, _ = capstone_jax["waterfall"]
+    rungs = jax_rungs(out)
     for r in out["rungs"]:
         p = r["profile"]
-        assert "ms" in p and p["ms"], p  # the CPU trace was read
-        assert abs(sum(p["ms"].values()) / p["step_ms"] - 1) < 0.05, (r["name"], p)
-        assert sum(p["ms"].values()) - p["ms"]["idle"] > 0 and p["binds"] in p["ms"]
-    assert out["rungs"][0]["profile"]["binds"] == "idle"
-    jitted = out["rungs"][2]["profile"]["ms"]  # named scopes: loss and optimizer are found
+        assert abs(sum(p.values()) / r["profile_step_s"] - 1) < 1e-6, (r["name"], p)
+        assert sum(p.values()) - p["idle"] > 0 and min(p.values()) >= 0
+    base = rungs["un-jitted (op-by-op)"]["profile"]
+    assert max(base, key=base.get) == "idle"
+    jitted = rungs["+ jax.jit (whole step)"]["profile"]  # the step's named scopes are found
     assert jitted["matmul"] > 0 and jitted["loss"] > 0 and jitted["optimizer"] > 0
-    assert out["rungs"][-1]["profile"]["ms"]["communication"] > 0  # the gradient all-reduce
+    assert rungs["+ data-parallel sharding"]["profile"]["communication"] > 0  # the all-reduce
 
 
-def test_capstone_jax_headline(capstone_jax):
-    # the first jitted rung and the final rung, a few steps each from the same init on the
-    # same batches: the loss curves agree within the tolerance
-    out, tmp_path = capstone_jax["headline"]
-    lesson = load_lesson(JAX_CAPSTONE)
-    h, curves = out["headline"], out["rungs"]
-    assert [r["name"] for r in curves] == [lesson.RUNGS[1]["name"], lesson.FINAL["name"]]
-    assert all(len(r["losses"]) == h["steps"] == len(r["seconds"]) for r in curves)
-    assert all(r["settings"]["steps_per_sync"] == 1 for r in curves)  # every step's loss
-    assert h["loss_gap"] <= h["tolerance"] and h["time_ratio"] > 0
+def test_capstone_jax_headline(capstone_jax, capstone_jax_lesson):
+    # the first jitted rung and the final rung, the same steps from one init on the same
+    # batches: their smoothed loss curves agree; every number recomputed from the losses
+    lesson = capstone_jax_lesson
+    out, tmp_path, _ = capstone_jax["headline"]
+    h = out["headline"]
+    base, final = out["rungs"]
+    assert [base["name"], final["name"]] == h["rungs"] == ["+ jax.jit (whole step)", lesson.FINAL]
+    for r in (base, final):
+        assert len(r["losses"]) == h["steps"] == r["warmup_steps"] + r["timed_steps"]
+    early = h["early_steps"]
+    gaps = np.abs(np.subtract(final["losses"], base["losses"])) / np.array(base["losses"])
+    assert h["early_gap"] == pytest.approx(max(gaps[:early]), rel=1e-9)
+    kernel = np.ones(h["smooth"]) / h["smooth"]
+    smooth_base = np.convolve(base["losses"], kernel, "valid")
+    smooth_final = np.convolve(final["losses"], kernel, "valid")
+    curve = max(np.abs(smooth_final - smooth_base) / smooth_base)
+    assert h["curve_gap"] == pytest.approx(curve, rel=1e-9)
+    assert h["time_ratio"] == pytest.approx(base["ms_per_step"] / final["ms_per_step"])
+    assert h["loss_tolerance"] == lesson.LOSS_TOLERANCE and h["curve_tolerance"] == 0.04
+    assert h["early_steps"] == lesson.EARLY_STEPS and h["smooth"] == lesson.SMOOTH
+    assert out["checks"] == {"headline_starts_the_same": h["early_gap"] <= h["loss_tolerance"],
+                             "headline_same_curve": curve <= h["curve_tolerance"],
+                             "loss_softmax_in_fp32": True}
     assert all(out["checks"].values()), out["checks"]
     assert (tmp_path / "out" / "07_capstone_jax_headline.png").exists()
 
 
-def test_capstone_jax_scaling_rung_builds_on_the_final_rung():
-    # --scaling runs FINAL alone, then the sharded rung: the same setup, sharded
-    lesson = load_lesson(JAX_CAPSTONE)
-    final, sharded = lesson.FINAL, lesson.RUNGS[-1]
-    assert final["keep"] and not final["shard"] and sharded["shard"]
-    assert sharded["builds_on"] == final["name"]
-    assert {k: v for k, v in sharded.items() if k not in ("name", "why", "shard", "builds_on")} \
-        == {k: v for k, v in final.items() if k not in ("name", "why", "shard", "builds_on")}
+def test_capstone_jax_bf16_logits_in_the_loss_fail_the_check(capstone_jax_lesson, monkeypatch):
+    # broken math that the loss's value barely shows (bf16 rounds it by ~0.3%, within the
+    # honest spread of a long run): the compiled program shows it
+    lesson = capstone_jax_lesson
+    jnp = lesson.jnp
+
+    def no_upcast(logits, targets):  # model_jax.cross_entropy without its astype(float32)
+        is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
+        target_logit = jnp.sum(jnp.where(is_target, logits, 0), axis=-1)
+        return jnp.mean(lesson.jax.nn.logsumexp(logits, axis=-1) - target_logit)
+
+    monkeypatch.setattr(lesson, "cross_entropy", no_upcast)
+    sizes = lesson.QUICK
+    torch.manual_seed(0)
+    init = lesson.TorchGPT(lesson.model_config(sizes, vocab_size=sizes.padded_vocab)).state_dict()
+    tokens = np.arange(1000, dtype=np.uint16) % 256
+    shared = lesson.Shared(sizes, lesson.jax.devices("cpu")[:1], False, tokens, init, "xla",
+                           1.0, None, 1.0)
+    settings = lesson.settings_for(lesson.FINAL, True)  # bf16 compute
+    step, state, batches, _ = lesson.build(settings, shared, shared.devices, 4, 1)
+    program = lesson.compile_step(step, settings, (state, *batches[0]))
+    facts, _ = lesson.program_facts(program, sizes.padded_vocab)
+    assert facts["bf16_dots"] > 0 and facts["f32_vocab_exps"] == 0
+    assert not lesson.loss_in_fp32([dict(acts=facts)])
+
+
+def test_capstone_jax_scaling_rung_builds_on_the_final_rung(capstone_jax_lesson):
+    # --scaling runs the final rung alone, then the sharded rung: the same setup, sharded
+    lesson = capstone_jax_lesson
+    for on_gpu in (True, False):
+        final = lesson.settings_for(lesson.FINAL, on_gpu)
+        assert lesson.is_kept(lesson.FINAL, on_gpu) and not final["shard"]
+        assert lesson.settings_for(lesson.SHARDED, on_gpu) == dict(final, shard=True)
+        assert final["bf16"] == on_gpu
 
 
 @pytest.mark.parametrize("argv", [["--batch", "0"], ["--batch", "-4"], ["--batch", "6"],
-                                  ["--steps", "0"], ["--steps", "-1"], ["--batch", "x"],
-                                  ["--headline", "--scaling"], ["--interconnect", "pcie"],
+                                  ["--batch", "4096"], ["--steps", "0"], ["--steps", "-1"],
+                                  ["--steps", "100000"], ["--batch", "x"],
+                                  ["--headline", "--scaling"], ["--tokenizer", "bpe"],
                                   ["--device", "tpu"]])
-def test_capstone_jax_bad_flags_exit_2(argv):
-    assert refused(load_lesson(JAX_CAPSTONE).parse_args, argv) == 2
+def test_capstone_jax_bad_flags_exit_2(capstone_jax_lesson, argv):
+    assert refused(capstone_jax_lesson.parse_args, argv) == 2
 
 
-def test_capstone_jax_bad_output_paths_are_refused_first(tmp_path):
-    parse_args = load_lesson(JAX_CAPSTONE).parse_args
+def test_capstone_jax_bad_output_paths_are_refused_first(capstone_jax_lesson, tmp_path):
+    parse_args = capstone_jax_lesson.parse_args
     (tmp_path / "file").write_text("x")
-    assert refused(parse_args, ["--json", str(tmp_path / "missing" / "r.json")]) == 1
+    assert refused(parse_args, ["--json", ""]) == 1
     assert refused(parse_args, ["--json", str(tmp_path)]) == 1
     assert refused(parse_args, ["--out", str(tmp_path / "file")]) == 1
-    assert refused(parse_args, ["--json", str(tmp_path / "r.json"), "--batch", "8"]) is None
+    assert refused(parse_args, ["--out", ""]) == 1
+    assert refused(parse_args, ["--json", str(tmp_path / "new" / "r.json")]) is None
+    assert (tmp_path / "new").is_dir()  # a missing folder is made
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert refused(parse_args, ["--out", str(locked)]) == 1
 
 
 @pytest.mark.parametrize("data", ["missing", "folder", "empty", "tiny", "binary"])
-def test_capstone_jax_bad_data_is_refused_without_a_cache(tmp_path, data):
-    lesson = load_lesson(JAX_CAPSTONE)
+def test_capstone_jax_bad_data_is_refused_without_a_cache(capstone_jax_lesson, tmp_path, data):
     path = tmp_path / data
     if data == "folder":
         path.mkdir()
@@ -1710,11 +2376,12 @@ def test_capstone_jax_bad_data_is_refused_without_a_cache(tmp_path, data):
         path.write_bytes({"empty": b"", "tiny": b"0123456789",
                           "binary": bytes(range(256)) * 64}[data])
     with pytest.raises(SystemExit) as refusal:
-        lesson.load_tokens(str(path), min_tokens=34, cache_dir=tmp_path / "cache")
+        capstone_jax_lesson.load_tokens(str(path), "bytes", 34, cache_dir=tmp_path / "cache")
     assert str(refusal.value.code).startswith(f"error: --data {path}")
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
 
 
-def test_capstone_jax_ctrl_c_is_one_line_and_exit_130(capstone_jax):
-    returncode, err = capstone_jax["ctrl_c"]
+@pytest.mark.parametrize("when", ["ctrl_c_early", "ctrl_c"])
+def test_capstone_jax_ctrl_c_is_one_line_and_exit_130(capstone_jax, when):
+    returncode, err = capstone_jax[when]
     assert returncode == 130 and err.strip().splitlines() == ["interrupted"], err[-2000:]

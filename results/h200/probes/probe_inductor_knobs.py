@@ -1,4 +1,4 @@
-# Probe (#17): Inductor reduction knobs on the torch capstone's final rung (gpt2, vocab 50304,
+# Probe: Inductor reduction knobs on the torch capstone's final rung (gpt2, vocab 50304,
 # B=64 x T=1024, bf16 autocast, flash SDPA, torch.compile, fused AdamW). Each variant: fresh
 # compile, 3 warm-up steps, 5 windows of 5 steps (CUDA-synchronised), median; then a profile
 # of 3 steps: the kernels of the loss and the LayerNorms, ms per step.

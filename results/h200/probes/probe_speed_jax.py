@@ -1,4 +1,4 @@
-# Probe (#17): the JAX capstone's final rung (gpt2, vocab 50304, B x T=1024, bf16 compute dtype,
+# Probe: the JAX capstone's final rung (gpt2, vocab 50304, B x T=1024, bf16 compute dtype,
 # fp32 params, cuDNN attention, donation, one micro-step) under XLA flags given in XLA_FLAGS.
 # usage: XLA_FLAGS=... python probe_speed_jax.py LABEL [BATCH]. Fresh compile, 5 windows of 5.
 import os, sys, time, statistics

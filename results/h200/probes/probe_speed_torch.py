@@ -1,4 +1,4 @@
-# Probe (#17): levers on the torch capstone's final rung (gpt2, vocab 50304, B x T=1024, bf16
+# Probe: levers on the torch capstone's final rung (gpt2, vocab 50304, B x T=1024, bf16
 # autocast, SDPA, torch.compile, fused AdamW, host reads the loss every 5 steps).
 # Each variant: fresh compile, 2 warm-up steps, 4 windows of 5 steps (CUDA-synchronised), median.
 import contextlib, os, sys, time, statistics

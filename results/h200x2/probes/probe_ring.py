@@ -1,4 +1,4 @@
-# Probe (#15): where our ring all-reduce (05_ddp_scratch.ring_all_reduce) loses to NCCL's over
+# Probe: where our ring all-reduce (05_ddp_scratch.ring_all_reduce) loses to NCCL's over
 # NVLink at 64 MiB - 1 GiB on 2 ranks: the wire (two send/recv exchanges of S/2), the add, and
 # piece sizes; run under NCCL environment variants by the calling script (one torchrun each).
 import importlib.util, os, statistics, sys, time
