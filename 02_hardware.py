@@ -15,25 +15,33 @@ Every number is labelled measured, derived or reference; a failed self-check (an
 against float64, the KV-cache decode, a peer copy's bytes) exits non-zero.
 """
 
+import os
+import signal
+import sys
+
+
+def interrupted(signum, frame):
+    """Ctrl-C at any moment, even while torch is still importing: one line, exit 130."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)
+
 import argparse
 import json
 import math
-import os
 import re
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-try:
-    import torch
-    import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
-except KeyboardInterrupt:  # Ctrl-C while torch is still importing: the same one line
-    print("interrupted", file=sys.stderr)
-    sys.exit(130)
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     from model_torch import GPT, GPTConfig, param_count
@@ -879,8 +887,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    main()

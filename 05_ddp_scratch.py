@@ -10,7 +10,7 @@ Section 13.5: data parallelism from scratch, the ring all-reduce, the communicat
 5. `--interconnect staged` sends every GPU-to-GPU byte through host memory (a PCIe box).
 
 NCCL when every rank has a GPU, else gloo. Copy it with model_torch.py. A CPU runs the
-tiny GPT in about a minute, GPUs GPT-2 124M; expect "all passed" and a figure in out/:
+tiny GPT in a minute or two, GPUs GPT-2 124M; expect "all passed" and a figure in out/:
     python 05_ddp_scratch.py                   # one rank, CPU or one GPU: nothing to send
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 05_ddp_scratch.py
     torchrun --standalone --nproc_per_node=2 05_ddp_scratch.py --interconnect staged

@@ -7,7 +7,8 @@ where each rung's step goes.
     python 07_capstone_jax.py               # one GPU: gpt2 (124M, T=1024), ~5 min
     python 07_capstone_jax.py --headline    # the first jitted vs the final rung, ~2 min
     python 07_capstone_jax.py --scaling     # the final rung on one device, then on all
-    python 07_capstone_jax.py --device cpu  # the tiny preset, ~2 min on 2 cores
+    NCCL_P2P_DISABLE=1 python 07_capstone_jax.py --scaling  # GPU to GPU via host memory
+    python 07_capstone_jax.py --device cpu  # GPT-2's shape at a CPU's scale, a few minutes
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python 07_capstone_jax.py --quick
                                             # a step or two a rung, 4 simulated devices
 
@@ -163,35 +164,28 @@ FITS_BYTES = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA cont
 
 @dataclass
 class Sizes:
-    model: str = "tiny"        # model_torch's preset: 4 layers, d=128, T=256
-    n_layer: int = 0           # overrides of the preset (0: the preset's own)
-    n_head: int = 0
-    n_embd: int = 0
-    block_size: int = 0
+    model: str = "tiny"        # a label: GPT-2's shape at a CPU's scale
+    block_size: int = 128      # tokens per sequence (T)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
     vocab: int = 50257         # GPT-2's tokens, as shipped
     padded_vocab: int = 50304  # 128 x 393
-    batch: int = 8             # sequences a step (a multiple of the 4 micro-batches)
-    steps: int = 3             # timed steps of a bf16 rung
+    batch: int = 4             # sequences a step (a multiple of the 4 micro-batches)
+    steps: int = 2             # timed steps of a bf16 rung
     slow_steps: int = 2        # timed steps of an fp32 rung (op-by-op: seconds a step)
-    headline_batch: int = 8
+    headline_batch: int = 4
     headline_steps: int = 30   # steps of each headline run (a multiple of WINDOW)
     peak_size: int = 1024      # the matmul peak's n x n
     peak_samples: int = 10     # its timed bursts
 
 
-GPU = Sizes(model="gpt2", batch=64, steps=10, headline_batch=16, headline_steps=100,
-            peak_size=8192)
-QUICK = Sizes(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab=16385,
+GPU = Sizes(model="gpt2", block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=64,
+            steps=10, headline_batch=16, headline_steps=100, peak_size=8192)
+QUICK = Sizes(model="toy", block_size=32, n_layer=1, n_head=2, n_embd=64, vocab=16385,
               padded_vocab=16512, batch=4, steps=1, slow_steps=1, headline_batch=4,
               headline_steps=20, peak_size=256, peak_samples=3)
 
-
-def model_config(sizes, **switches):
-    overrides = {}
-    for field in ("n_layer", "n_head", "n_embd", "block_size"):
-        if getattr(sizes, field):
-            overrides[field] = getattr(sizes, field)
-    return GPTConfig.preset(sizes.model, **overrides, **switches)
 
 # --- Data: real text, the same batches in both capstones (both files hold this block).
 
@@ -428,7 +422,26 @@ def settings_for(name, on_gpu):
     raise ValueError(f"no rung named {name!r}")
 
 
-def accumulated_grads(model, x, y, accum, jitted=True):
+def model_config(sizes, **switches):
+    """GPT-2's architecture at these sizes (model_torch's GPTConfig)."""
+    return GPTConfig.preset("gpt2", block_size=sizes.block_size, n_layer=sizes.n_layer,
+                            n_head=sizes.n_head, n_embd=sizes.n_embd, **switches)
+
+@dataclass
+class Shared:
+    """What every rung uses."""
+    sizes: Sizes
+    devices: list
+    gpu: bool
+    tokens: np.ndarray
+    init_state: dict    # torch's initial weights (07_capstone_torch's init)
+    attention: str      # the fused attention's implementation: cudnn (a GPU) or xla
+    flops_per_token: float
+    datasheet: float | None  # reference: the dense bf16 datasheet peak (None: unknown)
+    peak: float         # measured: this chip's matmul peak
+
+
+def accumulate(model, x, y, accum, jitted=True):
     """Loss and gradient of a batch from `accum` equal micro-batches: their gradients
     summed, then divided by accum. Jitted: a lax.scan (one micro-step to compile); else a
     Python loop."""
@@ -471,8 +484,8 @@ def accumulation_error():
 
     def both(state):  # one program computes both gradients
         model = nnx.merge(graphdef, state)
-        _, accumulated = accumulated_grads(model, x, y, 4)
-        _, full = accumulated_grads(model, x, y, 1)
+        _, accumulated = accumulate(model, x, y, 4)
+        _, full = accumulate(model, x, y, 1)
         return accumulated, full
 
     with jax.default_matmul_precision("highest"):
@@ -518,7 +531,7 @@ def build(settings, shared, devices, batch, n_steps):
 
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = accumulated_grads(model, x, y, settings["accum"], settings["jit"])
+        loss, grads = accumulate(model, x, y, settings["accum"], settings["jit"])
         with jax.named_scope("optimizer"):
             optimizer.update(model, grads)
         return loss, nnx.state((model, optimizer))
@@ -699,7 +712,7 @@ def fmt(value, spec=""):
         return "no"
     return format(value, spec)
 
-HEADER = (f"   {'rung':34s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
+HEADER = (f"   {'rung':38s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
           f"{'MFU(ds)':>7s} {'MFU(meas)':>9s} {'GiB':>5s} {'24 GB':>5s} {'tokens/J':>8s} "
           f"{'d(loss)':>7s}  binds: share of a profiled step\n"
           "   (measured: ms, tokens/s, GiB (XLA's plan per device; un-jitted: the "
@@ -718,7 +731,7 @@ def print_row(r):
     if r["binds"] is not None:
         share = r["profile"][r["binds"]] / r["profile_step_s"]
         binds = f"{r['binds']} {share:.0%} ({r['regime']})"
-    line = (f"   {name:34s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:10,.0f} "
+    line = (f"   {name:38s} {r['ms_per_step']:8.1f} {r['tokens_per_s']:10,.0f} "
             f"{r['speedup']:7.2f}x {fmt(r['mfu_datasheet'], '.1%'):>7} "
             f"{r['mfu_measured_peak']:9.1%} {fmt(memory, '.1f'):>5} "
             f"{fmt(r['fits_24gb']):>5} {fmt(r['tokens_per_joule'], ',.0f'):>8} "
@@ -780,7 +793,7 @@ def measure(name, why, settings, shared, batch, timed, profile, last_compile):
     return r, last_compile
 
 
-def waterfall(shared, plan, batch, profile=True, total_steps=None):
+def measure_rungs(shared, plan, batch, profile=True, total_steps=None):
     """Each rung of the plan (name, why, settings) measured, derived and printed at once.
     The first rung that runs is the baseline; total_steps: each trains exactly that many.
     Returns the measured rungs, and {name: why not} for the others."""
@@ -847,7 +860,7 @@ def headline(shared):
         if name in names:
             plan.append((name, why, settings_for(name, shared.gpu)))
     steps = shared.sizes.headline_steps
-    rows, skipped = waterfall(shared, plan, shared.sizes.headline_batch, False, steps)
+    rows, skipped = measure_rungs(shared, plan, shared.sizes.headline_batch, False, steps)
     if skipped:
         sys.exit(f"error: the headline's rungs did not run: {skipped}")
     base, final = rows
@@ -870,7 +883,7 @@ def headline(shared):
     return rows, summary, checks
 
 
-def import_pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -893,7 +906,7 @@ def save_figure(fig, out, name):
 
 def plot_waterfall(rows, out):
     """Each rung's tokens/s and its speed-up, and where its profiled step's time goes."""
-    plt = import_pyplot()
+    plt = pyplot()
     if plt is None or not rows:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
@@ -922,7 +935,7 @@ def plot_waterfall(rows, out):
 
 def plot_headline(rows, summary, out):
     """The two loss curves against step, and against wall-clock (steps x median step)."""
-    plt = import_pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
@@ -960,7 +973,8 @@ def parse_args(argv=None):
     p.add_argument("--data", help="a UTF-8 text file (default: the stdlib's sources)")
     p.add_argument("--tokenizer", choices=["auto", "gpt2", "bytes"], default="auto")
     p.add_argument("--batch", type=int_in(4, 512), help="sequences a step (a multiple of 4)")
-    p.add_argument("--steps", type=int_in(1, 1000), help="timed steps of every rung")
+    p.add_argument("--steps", type=int_in(1, 100),
+                   help="timed steps of every rung (op-by-op on an H200: ~11 s a step)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--headline", action="store_true", help="first jitted vs final rung")
     mode.add_argument("--scaling", action="store_true", help="final rung, alone and sharded")
@@ -979,20 +993,6 @@ def parse_args(argv=None):
         if not os.access(folder, os.W_OK):
             sys.exit(f"error: {folder}: not writable")
     return args
-
-
-@dataclass
-class Shared:
-    """What every rung uses."""
-    sizes: Sizes
-    devices: list
-    gpu: bool
-    tokens: np.ndarray
-    init_state: dict    # torch's initial weights (07_capstone_torch's init)
-    attention: str      # the fused attention's implementation: cudnn (a GPU) or xla
-    flops_per_token: float
-    datasheet: float | None  # reference: the dense bf16 datasheet peak (None: unknown)
-    peak: float         # measured: this chip's matmul peak
 
 
 def setup(args):
@@ -1017,7 +1017,9 @@ def setup(args):
         sizes = replace(sizes, batch=args.batch, headline_batch=args.batch)
     if args.steps is not None:
         sizes = replace(sizes, steps=args.steps, slow_steps=args.steps)
-    name = platform.processor() or platform.machine()
+    name = platform.machine()
+    if platform.processor():
+        name = platform.processor()
     datasheet = None
     dtype = jnp.float32  # a CPU has no bf16 matmul units
     if gpu:
@@ -1060,12 +1062,13 @@ def setup(args):
     return shared, result
 
 
-def run_waterfall(shared, args, result):
+def waterfall(shared, args, result):
     """The accumulation check, then the rungs (--scaling: the final rung alone, sharded);
     the checks on what they measured."""
     error = accumulation_error()
     print(f"measured: gradient accumulated over {BASELINE['accum']} micro-batches vs the "
-          f"full batch: relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})")
+          f"full batch: relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})",
+          flush=True)
     plan = []
     for name, _, why in RUNGS:
         plan.append((name, why, settings_for(name, shared.gpu)))
@@ -1076,8 +1079,9 @@ def run_waterfall(shared, args, result):
         n = len(shared.devices)
         alone = dict(settings_for(FINAL, shared.gpu), accum=n)
         why = f"the batch in {n} micro-batches, one device's share each: the reference"
-        plan = [(f"final rung, one device, accum {n}", why, alone), plan[-1]]
-    rows, result["skipped"] = waterfall(shared, plan, shared.sizes.batch)
+        sharded = [rung for rung in plan if rung[0] == SHARDED]
+        plan = [(f"final rung, one device, accum {n}", why, alone)] + sharded
+    rows, result["skipped"] = measure_rungs(shared, plan, shared.sizes.batch)
     split_ok = True
     for r in rows:  # each class's ms >= 0, idle the step's rest
         if min(r["profile"].values()) < 0:
@@ -1111,7 +1115,7 @@ def main():
         rows, result["headline"], checks = headline(shared)
         batch = shared.sizes.headline_batch
     else:
-        rows, checks = run_waterfall(shared, args, result)
+        rows, checks = waterfall(shared, args, result)
         batch = shared.sizes.batch
     result.update(rungs=rows, checks=checks,
                   tokens_per_step=batch * model_config(shared.sizes).block_size)

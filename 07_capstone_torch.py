@@ -7,7 +7,7 @@ speed changes, the losses must not. torch.profiler says where each rung's step g
     python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps, ~1.5 min
     torchrun --standalone --nproc_per_node=2 07_capstone_torch.py [--interconnect staged]
                                               # each GPU the final rung alone, then DDP
-    python 07_capstone_torch.py --device cpu  # the tiny model, ~1 min on 2 cores
+    python 07_capstone_torch.py --device cpu  # the tiny model, a few minutes on 2 cores
     python 07_capstone_torch.py --quick       # a step or two per rung (the tests)
 
 Each rung prints its prediction, then its row as soon as it is measured: ms/step, tokens/s,
@@ -108,11 +108,11 @@ CLASSES = {  # class: (the regime it means, substrings of a kernel's (CPU: op's)
 COLOURS = {"matmul": "tab:blue", "attention": "tab:orange", "loss": "tab:red",
            "optimizer": "tab:green", "norm+elementwise": "tab:purple",
            "communication": "tab:brown", "other": "tab:gray", "idle": "lightgray"}
-# Two honest runs of GPT-2 on the same batches, one with its init multiplied by
-# (1 + 1e-6 noise), far below any rounding here, agree to ~0.03% for 40 steps, then drift
-# chaotically: ~1.4% apart at single steps by step 100, ~1% on curves smoothed over 10
-# steps; bf16 drifts as far, and not always upwards. So a loss is checked where chaos has
-# not grown yet, and a whole curve only smoothed:
+# Training is chaotic. GPT-2 124M on one H200 (16 x 1024 tokens a step, the same batches):
+# two TF32 runs, one with its init multiplied by (1 + 1e-6 noise), far below any rounding
+# here, agree to ~0.03% for 40 steps, then drift apart: ~1.4% at single steps by step 100,
+# ~1% on curves smoothed over 10 steps; bf16 drifts as far, and not always upwards. So a
+# loss is checked where chaos has not grown yet, and a whole curve only smoothed:
 EARLY_STEPS = 10  # the steps where per-step losses must agree
 LOSS_TOLERANCE = 0.0015  # largest relative gap there: honest rounding (fp32, TF32, bf16
 # autocast) stays below ~0.08%; a loss computed on bf16 logits is ~0.27% off, a loss scaled
@@ -408,8 +408,8 @@ def compressed_all_reduce(state, bucket):
 
 
 def build(settings, shared):
-    """The rung's model at the shared init, and its optimizer step: (model, step, the
-    gradient hook's byte count or None)."""
+    """The rung's model at the shared init and its optimizer step: (the model, the step,
+    the gradient hook's state with its byte count, or None)."""
     gc.collect()  # the last rung's model first: compiled modules hold reference cycles
     precision = "highest"
     if settings["tf32"]:
@@ -430,7 +430,7 @@ def build(settings, shared):
         model = DDP(raw, device_ids=device_ids, gradient_as_bucket_view=True)
         torch._dynamo.reset()  # else dynamo reuses the graph compiled without DDP
     if settings["bf16_grads"]:
-        sent = dict(dtype=torch.float16, bytes=0)  # gloo has no bf16: the same bytes
+        sent = dict(dtype=torch.float16, bytes=0)  # on gloo (no bf16): the same bytes
         if shared.device.type == "cuda":
             sent["dtype"] = torch.bfloat16
         model.register_comm_hook(sent, compressed_all_reduce)
@@ -607,7 +607,7 @@ HEADER = (f"   {'rung':34s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
           f"{'MFU(ds)':>7s} {'MFU(meas)':>9s} {'peak GiB':>8s} {'24 GB':>5s} "
           f"{'tokens/J':>8s} {'d(loss)':>7s}  binds: share of a profiled step\n"
           "   (measured: ms, tokens/s, peak memory, tokens/J (NVML), binds; derived: "
-          "speed-up, MFU, d(loss): vs the baseline)")
+          f"speed-up, MFU; d(loss): vs the baseline over its first {EARLY_STEPS} steps)")
 
 
 def print_row(rung):
@@ -883,12 +883,12 @@ def setup(args):
     if rank:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; errors still reach stderr
     if world > 1:  # torchrun started this process: a process group for the DDP rungs
-        backend = "gloo"
+        comm = "gloo"
         if device.type == "cuda":
-            backend = "nccl"
+            comm = "nccl"
         if args.interconnect == "staged":  # every GPU-to-GPU byte through host memory
             os.environ["NCCL_P2P_DISABLE"] = "1"
-        dist.init_process_group(backend, timeout=timedelta(seconds=120))
+        dist.init_process_group(comm, timeout=timedelta(seconds=120))
     sizes = Sizes()
     if device.type == "cuda":
         sizes = GPU
@@ -941,7 +941,7 @@ def setup(args):
     print(f"measured: {sizes.peak_size} x {sizes.peak_size} {dtype} matmul peak (burst) "
           f"{peaks['measured'] / 1e12:.3g} TFLOP/s")
     if world > 1:
-        print(f"interconnect: {args.interconnect} ({world} processes, {backend})")
+        print(f"interconnect: {args.interconnect} ({world} processes, {dist.get_backend()})")
     facts = dict(device=dict(name=name, type=device.type, memory=memory),
                  framework=dict(torch=torch.__version__, python=platform.python_version()),
                  sizes=asdict(sizes), tokenizer=tokenizer, flops_per_token=flops,
