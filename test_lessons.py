@@ -108,6 +108,21 @@ def interrupt(script, *args, after, timeout=60, **kwargs):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def interrupt_after_first_line(script, *args, tmp_path):
+    """Press Ctrl-C once the lesson prints its first line ("device: ..."), i.e. once its
+    imports are done and the measurements begin. Returns (exit code, stderr)."""
+    proc = launch(script, *args, tmp_path=tmp_path)[0]
+    first = proc.stdout.readline()
+    assert first.startswith("device:"), first
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
 def run_lesson(script, *args, tmp_path, **kwargs):
     """Run `script --quick --device cpu --json F --out DIR *args` and return its JSON."""
     out = tmp_path / f"{Path(script).stem}.json"
@@ -856,17 +871,9 @@ def test_02_ctrl_c_is_one_line_and_130(tmp_path):
                      after=0.5, tmp_path=tmp_path)
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip() == "interrupted", proc.stderr[-2000:]
-    proc = launch("02_hardware.py", "--device", "cpu", "--out", str(tmp_path / "out"),
-                  tmp_path=tmp_path)[0]
-    first = proc.stdout.readline()  # printed once the imports are done and main() runs
-    assert first.startswith("device:"), first
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 130 and err.strip() == "interrupted", err[-2000:]
+    returncode, err = interrupt_after_first_line("02_hardware.py", "--device", "cpu", "--out",
+                                                 str(tmp_path / "out"), tmp_path=tmp_path)
+    assert returncode == 130 and err.strip() == "interrupted", err[-2000:]
 
 
 def test_02_without_the_model_file_says_which_to_copy(tmp_path):
@@ -1266,16 +1273,9 @@ def test_memory_without_model_file_says_which_to_copy(tmp_path):
 
 
 def test_memory_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    proc = launch("04_memory.py", "--device", "cpu", "--out", str(tmp_path / "out"), tmp_path=tmp_path)[0]
-    first = proc.stdout.readline()  # printed once the imports are done and main() runs
-    assert first.startswith("device:"), first
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
-    try:
-        _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert proc.returncode == 130 and err.strip() == "interrupted", err[-2000:]
+    returncode, err = interrupt_after_first_line("04_memory.py", "--device", "cpu", "--out",
+                                                 str(tmp_path / "out"), tmp_path=tmp_path)
+    assert returncode == 130 and err.strip() == "interrupted", err[-2000:]
 
 
 # ---------------------------------------------------------------------------------------
