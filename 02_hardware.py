@@ -39,16 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
-try:
+try:  # first: a missing file is said at once, not after torch has imported
     from model_torch import GPT, GPTConfig, param_count
 except ModuleNotFoundError as missing:
     if missing.name != "model_torch":
         raise
     sys.exit("error: 02_hardware.py needs model_torch.py: copy it into the same folder")
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Datasheets, dense, never measurements (NVIDIA's A100, H100 and H200 datasheets; the Ada
 # whitepaper for the RTX 4090). Columns: TFLOP/s in bf16, tf32, fp8 and fp32 (all with

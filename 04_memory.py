@@ -33,16 +33,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: no profiler USDT lines
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-try:
+try:  # first: a missing file is said at once, not after torch has imported
     from model_torch import (GPT, GPTConfig, activation_bytes, activation_terms,  # noqa: E402
                              block_activation_terms, flops_per_token, state_bytes)
 except ModuleNotFoundError as error:
     if error.name != "model_torch":
         raise
     sys.exit("error: model_torch.py is missing: copy it beside 04_memory.py")
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 MiB = 2**20
 GiB = 2**30

@@ -3,12 +3,12 @@ Section 13.7: the waterfall. GPT-2 124M down the chapter's method, one measured 
 technique, each kept for the rungs after it, all from one init on the same batches: the
 speed changes, the losses must not. torch.profiler says where each rung's step goes.
 
-    python 07_capstone_torch.py               # one GPU: gpt2 (124M, T=1024), ~2.5 min
+    python 07_capstone_torch.py               # one GPU: gpt2 (124M, T=1024), ~3 min
     python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps, ~1.5 min
     torchrun --standalone --nproc_per_node=2 07_capstone_torch.py [--interconnect staged]
                                               # each GPU the final rung alone, then DDP
     python 07_capstone_torch.py --device cpu  # the tiny model, a few minutes on 2 cores
-    python 07_capstone_torch.py --quick       # a step or two per rung (the tests)
+    python 07_capstone_torch.py --quick       # a toy on UTF-8 bytes, a step a rung (tests)
 
 Each rung prints its prediction, then its row as soon as it is measured: ms/step, tokens/s,
 MFU (6N + 12LTd FLOPs per token over the datasheet bf16 peak, and over this chip's measured
@@ -43,6 +43,7 @@ try:  # Ctrl-C while torch imports: one line, as at any later moment
     import torch
     import torch._inductor.config
     import torch.distributed as dist
+    from torch._dynamo.callback import callback_handler
     from torch._dynamo.utils import counters
     from torch.autograd import DeviceType
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -57,8 +58,8 @@ except KeyboardInterrupt:
 # --- The waterfall: every setting a rung can change, then the rungs, in order.
 
 BASELINE = dict(tf32=False, bf16=False, attn="manual", compile=False, fused=False,
-                vocab=50257, accum=4, host_sync=True, checkpoint=False, ddp=False,
-                bf16_grads=False)
+                pad_vocab=False, accum=4, host_sync=True, fused_classifier=False,
+                checkpoint=False, ddp=False, bf16_grads=False)
 WARMUP = 2  # untimed steps of every rung: the first compiles, the second settles
 WINDOW = 5  # steps between host syncs once "no host sync per step" is on
 RUNGS = [  # (name, what it changes, the regime it targets and the prediction)
@@ -75,12 +76,16 @@ RUNGS = [  # (name, what it changes, the regime it targets and the prediction)
      "compile time once"),
     ("+ fused AdamW", dict(fused=True), "overhead: foreach AdamW launches several kernels "
      "per parameter group, fused is one pass over params, grads, moments: a few %"),
-    ("+ vocab 50304, 1 micro-step", dict(vocab=50304, accum=1), "50304 = 128 x 393 leaves "
+    ("+ vocab 50304, 1 micro-step", dict(pad_vocab=True, accum=1), "50304 = 128 x 393 leaves "
      "the largest matmul no ragged tiles (nanoGPT: up to ~25%); one 4x micro-batch "
      "amortises fixed costs: 1.05-1.3x, more activation memory"),
     ("+ no host sync per step", dict(host_sync=False), f"overhead: reading the loss every "
      f"step makes the CPU wait for the GPU to drain; every {WINDOW} steps it runs ahead. "
      "A ~100 ms step hides a gap < 1 ms: < 1% here, 0 on a CPU; it pays for ms-long steps"),
+    ("+ fused classifier (logits never written)", dict(fused_classifier=True), "memory "
+     "and bandwidth: the B x T x V logits (6.6 GB in bf16, 13 GB in fp32) are never "
+     "written, so peak memory falls by the logits the plain head keeps for backward and "
+     "the loss's share of the step falls; the matmuls are the same: a few % at most"),
     ("+ activation checkpointing", dict(checkpoint=True), "a memory fix where memory does "
      "NOT bind: recomputing each block's forward adds ~1/3 of its FLOPs: 20-30% SLOWER"),
     ("+ DDP", dict(ddp=True), "the batch split among N GPUs, the gradient all-reduce "
@@ -90,11 +95,12 @@ RUNGS = [  # (name, what it changes, the regime it targets and the prediction)
 ]
 DETOURS = {"+ activation checkpointing"}  # measured, then not carried forward
 BASE = "fp32 eager"  # what every speed-up and loss gap is measured against
-FINAL = "+ no host sync per step"  # the last single-device rung kept: the headline's
+FIRST_DDP = "+ DDP"  # the final rung is every single-device rung kept before this one
 ALONE = "final rung, each GPU alone"  # under torchrun: DDP's reference
 CLASSES = {  # class: (the regime it means, substrings of a kernel's (CPU: op's) name)
     "communication": ("communication-bound", ("nccl", "gloo", "allreduce", "all_reduce")),
-    "loss": ("bandwidth-bound", ("nll_loss", "nllloss", "log_softmax", "logsoftmax")),
+    "loss": ("bandwidth-bound", ("nll_loss", "nllloss", "log_softmax", "logsoftmax",
+                                 "logsumexp")),
     "attention": ("attention-bound", ("flash", "fmha", "sdpa", "attention", "softmax")),
     "matmul": ("compute-bound", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "addmm",
                                  "bmm")),
@@ -122,6 +128,8 @@ CURVE_TOLERANCE = 0.04  # largest relative gap of the smoothed curves: honest ru
 # by rounding alone or by bf16 stay within ~1.6% over 100 steps; a real change of the math
 # (learning rate, data, a wrong gradient) moves them further
 ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: ~1e-6)
+ENERGY_MIN_SECONDS = 1.0  # NVML's energy counter moves in steps of tens of ms: a shorter
+# timed region reads zero or a fraction of its energy, so tokens/J is left unmeasured
 FITS_BYTES = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA context
 DDP_HINT = ("one process per GPU: torchrun --standalone --nproc_per_node=2 "
             "07_capstone_torch.py (CPU ranks: --device cpu)")
@@ -134,6 +142,8 @@ class Sizes:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    vocab: int = 50257  # GPT-2's tokens as shipped (UTF-8 bytes use the first 256)
+    padded_vocab: int = 50304  # the next multiple of 128
     batch: int = 4  # sequences per optimizer step in the waterfall
     steps: int = 2  # timed steps of a compiled rung
     eager_steps: int = 2  # timed steps of an eager rung (the slow ones)
@@ -146,8 +156,9 @@ class Sizes:
 GPU = Sizes(model="gpt2", block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=64,
             steps=20, eager_steps=3, headline_batch=16, headline_steps=100,
             peak_size=8192)
-QUICK = Sizes(model="toy", block_size=16, n_layer=2, n_head=2, n_embd=32, steps=1,
-              eager_steps=1, headline_steps=20, peak_samples=3)
+QUICK = Sizes(model="toy", block_size=16, n_layer=1, n_head=2, n_embd=32, vocab=4095,
+              padded_vocab=4096, steps=1, eager_steps=1, headline_steps=20,
+              peak_size=256, peak_samples=3)  # UTF-8 bytes; padded by 1 row in 4096
 
 # --- Data: real text, the same batches in both capstones (both files hold this block).
 
@@ -238,6 +249,7 @@ def get_batch(tokens, step, batch_size, seq_len, seed=0):
     windows = np.stack([tokens[s: s + seq_len + 1] for s in starts]).astype(np.int64)
     return windows[:, :-1], windows[:, 1:]
 
+
 # --- Measuring.
 
 
@@ -247,8 +259,8 @@ def sync(device):
 
 
 def bench(fn, device, reps):
-    """Seconds of each of `reps` calls of fn. GPU work is asynchronous: the device is
-    synchronised before every clock read. The caller warms up first."""
+    """Seconds of each of `reps` calls of fn, the device synchronised around each (GPU
+    work is asynchronous). The caller warms up first."""
     seconds = []
     for _ in range(reps):
         sync(device)
@@ -308,12 +320,11 @@ def kernel_class(name):
 
 
 def profile_split(step, device):
-    """Seconds of one step by class, from the profiler's own times: a GPU's kernels, or a
-    CPU's ops on the step's thread (each op's self time); the step's wall time; the names
-    of the ops it ran. One stream runs the kernels in order (one thread the ops), so their
-    sum is the busy time and the rest idle. Only DDP's all-reduce runs beside them (its
-    own stream; gloo's threads are left out): what sums past the wall time overlapped
-    compute, and is taken off communication, leaving what the step waited for."""
+    """Seconds of one step by class, from the profiler: a GPU's kernels, or a CPU's ops on
+    the step's thread (self times); the step's wall time; the names of the ops it ran.
+    One stream runs the kernels in order (one thread the ops), so their sum is the busy
+    time and the rest idle. Only DDP's all-reduce runs beside them (its own stream): what
+    sums past the wall time overlapped compute, and is taken off communication."""
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU]
     if gpu:
@@ -341,8 +352,8 @@ def profile_split(step, device):
 
 def is_kept(name, on_gpu):
     """Measure -> fix -> re-measure: a fix for a regime this device is not in is measured,
-    then not carried forward: checkpointing (memory does not bind here), and bf16 autocast
-    on a CPU (no bf16 matmul units: its bf16 matmuls run 10-20x slower than fp32)."""
+    then not carried forward: the DETOURS, and bf16 autocast on a CPU (no bf16 matmul
+    units: its bf16 matmuls run 10-20x slower than fp32)."""
     if name in DETOURS:
         return False
     if name == "+ bf16 autocast" and not on_gpu:
@@ -361,22 +372,26 @@ def settings_for(name, on_gpu):
     raise KeyError(name)
 
 
+def model_config(sizes, settings):
+    vocab = sizes.vocab
+    if settings["pad_vocab"]:
+        vocab = sizes.padded_vocab
+    return GPTConfig(block_size=sizes.block_size, n_layer=sizes.n_layer,
+                     n_head=sizes.n_head, n_embd=sizes.n_embd,
+                     vocab_size=vocab, attn=settings["attn"],
+                     checkpoint=settings["checkpoint"],
+                     fused_classifier=settings["fused_classifier"])
+
+
 @dataclass
 class Shared:  # what every rung uses
     device: torch.device
     sizes: Sizes
     batches: list  # (x, y) pairs on the device: batch i is step i of every rung
-    init_state: dict  # one init for every rung (vocab 50304; GPT-2's rows a prefix)
+    init_state: dict  # one init for every rung (the padded vocab; GPT-2's rows a prefix)
     backend: str  # torch.compile's
     rank: int = 0
     world: int = 1
-
-
-def model_config(sizes, settings):
-    return GPTConfig(block_size=sizes.block_size, n_layer=sizes.n_layer,
-                     n_head=sizes.n_head, n_embd=sizes.n_embd,
-                     vocab_size=settings["vocab"], attn=settings["attn"],
-                     checkpoint=settings["checkpoint"])
 
 
 def accumulate(model, x, y, accum, bf16):
@@ -390,6 +405,22 @@ def accumulate(model, x, y, accum, bf16):
         (loss / accum).backward()
         total += loss.detach() / accum
     return total
+
+
+def accumulation_error(shared, rows=4):
+    """The gradient accumulated over 4 micro-batches vs the full batch's, before any
+    optimizer step (fp32 baseline): their relative difference."""
+    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot
+    # to divide by the micro-batch count would be off by 3x - and AdamW would hide it.
+    raw, _, _ = build(BASELINE, shared)
+    x = shared.batches[0][0][:rows]
+    y = shared.batches[0][1][:rows]
+    grads = []
+    for accum in (BASELINE["accum"], 1):
+        accumulate(raw, x, y, accum, bf16=False)
+        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
+        raw.zero_grad(set_to_none=True)
+    return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
 
 
 def compressed_all_reduce(state, bucket):
@@ -410,16 +441,18 @@ def compressed_all_reduce(state, bucket):
 def build(settings, shared):
     """The rung's model at the shared init and its optimizer step: (the model, the step,
     the gradient hook's state with its byte count, or None)."""
-    gc.collect()  # the last rung's model first: compiled modules hold reference cycles
+    if shared.device.type == "cuda":  # the last rung's model first: compiled modules hold
+        gc.collect()  # reference cycles, and its memory would count in this rung's peak
     precision = "highest"
     if settings["tf32"]:
         precision = "high"  # fp32 matmuls on TF32 tensor cores
     torch.set_float32_matmul_precision(precision)
+    config = model_config(shared.sizes, settings)
     with torch.device(shared.device):
-        raw = GPT(model_config(shared.sizes, settings))
+        raw = GPT(config)
     state = dict(shared.init_state)
     for key in ("transformer.wte.weight", "lm_head.weight"):  # the tied embedding
-        state[key] = state[key][:settings["vocab"]]
+        state[key] = state[key][:config.vocab_size]
     raw.load_state_dict(state)
     model = raw
     sent = None
@@ -450,22 +483,6 @@ def build(settings, shared):
     return raw, step, sent
 
 
-def accumulation_error(shared, rows=4):
-    """The gradient accumulated over 4 micro-batches vs the full batch's, before any
-    optimizer step (fp32 baseline): their relative difference."""
-    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot
-    # to divide by the micro-batch count would be off by 3x - and AdamW would hide it.
-    raw, _, _ = build(BASELINE, shared)
-    x = shared.batches[0][0][:rows]
-    y = shared.batches[0][1][:rows]
-    grads = []
-    for accum in (BASELINE["accum"], 1):
-        accumulate(raw, x, y, accum, bf16=False)
-        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
-        raw.zero_grad(set_to_none=True)
-    return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
-
-
 def train(raw, step, sent, settings, shared, timed_steps):
     """A rung's raw measurements: WARMUP steps (the first compiles), `timed_steps` timed
     in windows of one step (the host reads each loss) or of WINDOW steps, NVML's energy
@@ -492,10 +509,22 @@ def train(raw, step, sent, settings, shared, timed_steps):
                 loss = loss.item()  # the host waits for the device here
             losses.append(loss)
 
+    said = False
+
+    def compiling(*args):  # dynamo starts compiling: said once, as it happens
+        nonlocal said
+        if not said:
+            print("   compiling (torch.compile, in the first step) ...", flush=True)
+        said = True
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     graphs_before = counters["stats"]["unique_graphs"]
-    warmup_s = bench(lambda: run_steps(1), device, WARMUP)
+    callback_handler.register_start_callback(compiling)
+    try:
+        warmup_s = bench(lambda: run_steps(1), device, WARMUP)
+    finally:
+        callback_handler.remove_start_callback(compiling)
     graphs = counters["stats"]["unique_graphs"] - graphs_before
     read_energy = energy_meter(device)
     joules_before = None
@@ -504,44 +533,42 @@ def train(raw, step, sent, settings, shared, timed_steps):
     window_s = bench(lambda: run_steps(window), device, windows)
     x = shared.batches[0][0][rows]
     tokens_per_joule = None
-    if joules_before is not None:  # this GPU's energy for its share of the tokens
-        tokens_per_joule = x.numel() * windows * window / (read_energy() - joules_before)
+    timed_s = sum(window_s)
+    if joules_before is not None and timed_s >= ENERGY_MIN_SECONDS:
+        joules = read_energy() - joules_before  # this GPU's energy for its share of the tokens
+        tokens_per_joule = x.numel() * windows * window / joules
     split, wall, ops = profile_split(lambda: run_steps(1), device)
     peak = None
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     step_ms = [seconds / window * 1e3 for seconds in window_s]
-    compile_s = 0.0
-    if warmup_s:  # the first step's time beyond a timed step's
-        compile_s = max(0.0, warmup_s[0] - statistics.median(step_ms) / 1e3)
-    acts = evidence(raw, x, settings, ops, sent, len(losses))
+    compile_s = max(0.0, warmup_s[0] - statistics.median(step_ms) / 1e3)  # past a step's
+    # What each technique did, not its flag: the logits' dtype (autocast), whether logits
+    # exist beside the loss (the fused classifier), whether the profiled step ran the fused
+    # AdamW kernel, an fp32 matmul's error against float64 (TF32 on a GPU: ~1e-3; fp32:
+    # ~1e-6), and the bytes the gradient hook sent a step.
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                         enabled=settings["bf16"]):
+        logits, _ = raw(x[:1, :8])
+        logits_beside_loss, _ = raw(x[:1, :8], x[:1, :8])
+    a = torch.randn(256, 256, device=device)
+    exact = a.double() @ a.double()
+    matmul_error = ((a @ a).double() - exact).norm() / exact.norm()
+    acts = dict(logits_dtype=str(logits.dtype),
+                logits_written=logits_beside_loss is not None,
+                fused_adamw_ran="aten::_fused_adamw_" in ops,
+                fp32_matmul_rel_error=matmul_error.item())
+    if sent is not None:
+        acts["allreduced_bytes_per_step"] = sent["bytes"] / len(losses)
+        acts["allreduced_dtype"] = str(sent["dtype"])
+    predicted = activation_bytes(model_config(shared.sizes, settings),
+                                 len(x) // settings["accum"], bf16=settings["bf16"])
     return dict(settings=settings, world=world, warmup_steps=WARMUP,
                 timed_steps=windows * window, profiled_steps=1,
                 losses=[float(loss) for loss in losses], step_ms=step_ms,
                 compile_s=compile_s, graphs=graphs, peak_memory_bytes=peak,
                 tokens_per_joule=tokens_per_joule, profile=split, profile_step_s=wall,
-                tokens_per_step=x.numel() * world, acts=acts,
-                activation_bytes=activation_bytes(model_config(shared.sizes, settings),
-                                                  len(x) // settings["accum"],
-                                                  bf16=settings["bf16"]))  # predicted
-
-
-def evidence(raw, x, settings, ops, sent, steps):
-    """What each technique did, not its flag: the logits' dtype (autocast), whether the
-    profiled step ran the fused AdamW kernel, an fp32 matmul's error against float64 (TF32
-    on a GPU: ~1e-3; full fp32: ~1e-6), and the bytes the gradient hook sent a step."""
-    with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16,
-                                         enabled=settings["bf16"]):
-        logits, _ = raw(x[:1, :8])
-    a = torch.randn(256, 256, device=x.device)
-    exact = a.double() @ a.double()
-    matmul_error = ((a @ a).double() - exact).norm() / exact.norm()
-    acts = dict(logits_dtype=str(logits.dtype), fused_adamw_ran="aten::_fused_adamw_" in ops,
-                fp32_matmul_rel_error=matmul_error.item())
-    if sent is not None:
-        acts["allreduced_bytes_per_step"] = sent["bytes"] / steps
-        acts["allreduced_dtype"] = str(sent["dtype"])
-    return acts
+                tokens_per_step=x.numel() * world, acts=acts, activation_bytes=predicted)
 
 
 def loss_gap(losses, base_losses):
@@ -562,8 +589,8 @@ def curve_gap(losses, base_losses):
 
 
 def derive(measured, base, flops_per_token, peaks):
-    """The derived numbers of a rung from its raw ones; base: the baseline rung (None: this
-    is the baseline)."""
+    """A rung's derived numbers from its raw ones; base: the baseline rung (None: this is
+    the baseline)."""
     ms = statistics.median(measured["step_ms"])
     tokens_per_s = measured["tokens_per_step"] / (ms / 1e3)  # all ranks together
     flops = tokens_per_s * flops_per_token / measured["world"]  # FLOP/s of one device
@@ -588,8 +615,7 @@ def derive(measured, base, flops_per_token, peaks):
                 speedup=base_ms / ms, mfu_datasheet=mfu_datasheet,
                 mfu_measured_peak=flops / peaks["measured"], fits_24gb=fits,
                 loss_rel_gap=loss_gap(measured["losses"], base_losses),
-                unreliable=unreliable,
-                binds=binds, regime=CLASSES[binds][0])
+                unreliable=unreliable, binds=binds, regime=CLASSES[binds][0])
 
 
 def fmt(value, spec=""):
@@ -603,7 +629,7 @@ def fmt(value, spec=""):
     return format(value, spec)
 
 
-HEADER = (f"   {'rung':34s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
+HEADER = (f"   {'rung':51s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
           f"{'MFU(ds)':>7s} {'MFU(meas)':>9s} {'peak GiB':>8s} {'24 GB':>5s} "
           f"{'tokens/J':>8s} {'d(loss)':>7s}  binds: share of a profiled step\n"
           "   (measured: ms, tokens/s, peak memory, tokens/J (NVML), binds; derived: "
@@ -618,7 +644,7 @@ def print_row(rung):
     if rung["peak_memory_bytes"] is not None:
         peak_gib = rung["peak_memory_bytes"] / 2**30
     share = rung["profile"][rung["binds"]] / rung["profile_step_s"]
-    line = (f"   {name:34s} {rung['ms_per_step']:8.1f} {rung['tokens_per_s']:10,.0f} "
+    line = (f"   {name:51s} {rung['ms_per_step']:8.1f} {rung['tokens_per_s']:10,.0f} "
             f"{rung['speedup']:7.2f}x {fmt(rung['mfu_datasheet'], '.1%'):>7} "
             f"{rung['mfu_measured_peak']:9.1%} {fmt(peak_gib, '.1f'):>8} "
             f"{fmt(rung['fits_24gb']):>5} {fmt(rung['tokens_per_joule'], ',.0f'):>8} "
@@ -641,7 +667,10 @@ def measure(name, why, settings, shared, timed_steps, base, flops, peaks):
         print(f"   does not fit: {name} runs out of device memory at this batch")
         return None
     if measured["graphs"]:
-        print(f"   compiled {measured['graphs']} graphs: {measured['compile_s']:.1f} s "
+        noun = "graph"
+        if measured["graphs"] > 1:
+            noun = "graphs"
+        print(f"   compiled {measured['graphs']} {noun}: {measured['compile_s']:.1f} s "
               "(measured: the first step less a timed one)")
     rung = dict(name=name, why=why, kept=is_kept(name, shared.device.type == "cuda"),
                 **derive(measured, base, flops, peaks))
@@ -663,7 +692,8 @@ def waterfall(shared, flops, peaks):
         # work per GPU. DDP's tokens/s over world x this rate leaves what DDP adds: the
         # all-reduce not hidden under backward, each rank's own optimizer step.
         why = f"the batch in {shared.world} micro-batches, one rank's share each"
-        todo.append((ALONE, dict(settings_for(FINAL, gpu), accum=shared.world), why))
+        final = dict(settings_for(FIRST_DDP, gpu), ddp=False)
+        todo.append((ALONE, dict(final, accum=shared.world), why))
     for name, _, why in RUNGS:
         settings = settings_for(name, gpu)
         if shared.world == 1 or settings["ddp"]:
@@ -671,7 +701,6 @@ def waterfall(shared, flops, peaks):
     print(HEADER)
     rungs = []
     skipped = {}
-    base = None
     for name, settings, why in todo:
         if settings["ddp"] and shared.world == 1:
             print(f"{name}: predicted {why}\n   skipped: it needs {DDP_HINT}")
@@ -680,13 +709,14 @@ def waterfall(shared, flops, peaks):
         timed_steps = shared.sizes.eager_steps
         if settings["compile"]:
             timed_steps = shared.sizes.steps
+        base = None
+        if rungs:
+            base = rungs[0]
         rung = measure(name, why, settings, shared, timed_steps, base, flops, peaks)
         if rung is None:
             skipped[name] = "does not fit"
             continue
         rungs.append(rung)
-        base = rungs[0]
-    by_name = {rung["name"]: rung for rung in rungs}
     checks = dict(accumulated_gradient_equals_full_batch=error <= ACCUM_TOLERANCE,
                   losses_track_baseline=True, time_split_adds_up=True)
     for rung in rungs:
@@ -694,17 +724,17 @@ def waterfall(shared, flops, peaks):
             checks["losses_track_baseline"] = False
         if min(rung["profile"].values()) < 0:
             checks["time_split_adds_up"] = False
-    detour = "+ activation checkpointing"
-    if detour in by_name and FINAL in by_name:  # measured memory on a GPU, else predicted
-        memory = "activation_bytes"
-        if gpu:
-            memory = "peak_memory_bytes"
-        lower = by_name[detour][memory] < by_name[FINAL][memory]
-        checks["checkpointing_lowers_memory"] = lower
+    memory = "activation_bytes"  # measured memory on a GPU, else predicted
+    if gpu:
+        memory = "peak_memory_bytes"
+    for rung in rungs:  # checkpointing against the same rung without it
+        for before in rungs:
+            if rung["settings"]["checkpoint"] and before["settings"] == dict(
+                    rung["settings"], checkpoint=False):
+                checks["checkpointing_lowers_memory"] = rung[memory] < before[memory]
     for rung in rungs:  # under torchrun: the DDP rungs against world x one GPU alone
-        if rung["world"] > 1 and ALONE in by_name:
-            alone = by_name[ALONE]["tokens_per_s"]
-            rung["scaling"] = rung["tokens_per_s"] / (shared.world * alone)
+        if rung["world"] > 1 and rungs[0]["name"] == ALONE:
+            rung["scaling"] = rung["tokens_per_s"] / (shared.world * rungs[0]["tokens_per_s"])
             print(f"derived: {rung['name']}: scaling {rung['scaling']:.1%} of "
                   f"{shared.world} x one GPU alone")
     return dict(rungs=rungs, skipped=skipped, accumulation_rel_diff=error, checks=checks)
@@ -719,12 +749,12 @@ def headline(shared, flops, peaks):
     gpu = shared.device.type == "cuda"
     steps = WINDOW * math.ceil(shared.sizes.headline_steps / WINDOW)  # whole windows:
     print(HEADER)  # both curves have the same steps
-    whys = {name: why for name, _, why in RUNGS}
-    base = measure(BASE, whys[BASE], BASELINE, shared, steps, None, flops, peaks)
+    base = measure(BASE, RUNGS[0][2], BASELINE, shared, steps, None, flops, peaks)
     final = None
     if base is not None:
+        settings = dict(settings_for(FIRST_DDP, gpu), ddp=False)  # every rung kept
         final = measure("final rung (every rung kept)", "the same curve, ~10x sooner",
-                        settings_for(FINAL, gpu), shared, steps, base, flops, peaks)
+                        settings, shared, steps, base, flops, peaks)
     if final is None:
         sys.exit("error: the headline does not fit this device: try a smaller --batch")
     early = final["loss_rel_gap"]
@@ -786,7 +816,7 @@ def plot_waterfall(rungs, path):
     right.set(xlabel="share of a profiled step (measured)", title="where a step's time goes",
               xlim=(0, 1.45))  # room for the legend
     right.legend(fontsize=8, loc="center right")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.22, right=0.98, wspace=0.05)  # room for the rungs' names
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"figure: {path}")
@@ -808,7 +838,6 @@ def plot_headline(result, path):
     right.set(xlabel="wall-clock s (steps x measured median step; compile left out)",
               xscale="log", title=f"{result['headline']['time_ratio']:.1f}x apart")
     left.legend()
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"figure: {path}")
@@ -828,7 +857,7 @@ def int_in(low, high):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a step or two per rung (the tests)")
+    p.add_argument("--quick", action="store_true", help="a toy, a step a rung (the tests)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--json", help="write every number here")
     p.add_argument("--out", default="out", help="figure folder")
@@ -844,28 +873,31 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.batch is not None and args.batch % 4:
         p.error("argument --batch: a multiple of 4 (the first rungs take 4 micro-batches)")
+    if args.quick and args.tokenizer == "gpt2":
+        p.error("--quick trains a toy vocabulary of UTF-8 bytes: --tokenizer gpt2 needs a "
+                "full run")
     if args.headline and "RANK" in os.environ:
         p.error("--headline runs on one device: start it with python, not torchrun")
     return args
 
 
 def check_paths(args):
-    """Before the work: --json a file in a writable folder, --out a writable folder (both
-    made when missing); else one line and exit 1."""
-    folders = [("--out", args.out)]
+    """Before the work: --json a file name, --out a folder; their folders made now, else
+    one line and exit 1."""
+    folders = [args.out]
     if args.json is not None:
         if args.json == "" or Path(args.json).is_dir():
             sys.exit(f"error: --json {args.json!r}: not a file name")
-        folders.append(("--json", str(Path(args.json).parent)))
-    for flag, folder in folders:
+        folders.append(str(Path(args.json).parent))
+    for folder in folders:
         if folder == "":
-            sys.exit(f"error: {flag}: an empty path")
+            sys.exit("error: --out: an empty path")
         try:
             Path(folder).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            sys.exit(f"error: {flag} {folder}: {e.strerror}")
+            sys.exit(f"error: {folder}: {e.strerror}")
         if not os.access(folder, os.W_OK):
-            sys.exit(f"error: {flag} {folder}: not writable")
+            sys.exit(f"error: {folder}: not writable")
 
 
 def setup(args):
@@ -916,17 +948,19 @@ def setup(args):
         dtype = torch.bfloat16
     print(f"device: {name}, {memory} | torch {torch.__version__} | python "
           f"{platform.python_version()} | compile backend {backend}")
-    tokens, tokenizer = load_tokens(args.data, args.tokenizer, sizes.block_size + 2)
+    choice = args.tokenizer
+    if args.quick:  # the toy vocabulary: UTF-8 bytes
+        choice = "bytes"
+    tokens, tokenizer = load_tokens(args.data, choice, sizes.block_size + 2)
     steps = WARMUP + max(sizes.steps, sizes.eager_steps, sizes.headline_steps) + 1
     batches = []
     for i in range(steps):
         x, y = get_batch(tokens, i, batch, sizes.block_size)
         batches.append((torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)))
-    torch.manual_seed(0)  # one init for every rung (vocab 50304; GPT-2's rows a prefix)
-    init_state = GPT(model_config(sizes, dict(BASELINE, vocab=50304))).state_dict()
+    torch.manual_seed(0)  # one init for every rung (the padded vocab; GPT-2's rows a prefix)
+    init_state = GPT(model_config(sizes, dict(BASELINE, pad_vocab=True))).state_dict()
     shared = Shared(device, sizes, batches, init_state, backend, rank, world)
-    shipped = model_config(sizes, BASELINE)  # GPT-2 as shipped (50257): the FLOPs that count
-    flops = flops_per_token(shipped)
+    flops = flops_per_token(model_config(sizes, BASELINE))  # GPT-2 as shipped: 50257
     peaks = dict(datasheet=None, measured=None)
     if device.type == "cuda":
         peaks["datasheet"] = datasheet_bf16_peak(name)
@@ -957,7 +991,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=".*dynamo_pgo force disabled")
     warnings.filterwarnings("ignore", message=".*Profiler clears events")  # one a rung
     for name in ("torch._dynamo.variables.torch", "torch._dynamo.variables.ctx_manager"):
-        quiet = logging.getLogger(name)  # dynamo ignores the profiler's marks: we know
+        quiet = logging.getLogger(name)  # dynamo ignores the profiler's marks (DDP's): we know
         quiet.addFilter(lambda record: "will be ignored" not in str(record.msg))
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT" lines around each profile
     torch._inductor.config.force_disable_caches = True  # every compile cold: its time true

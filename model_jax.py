@@ -126,6 +126,9 @@ class GPT(nnx.Module):
                 x = block(x)
         x = self.ln_f(x)
         wte = self.wte.embedding[...]
+        if self.config.fused_classifier and targets is not None:
+            loss = fused_classifier(x.reshape(B * T, -1), wte, targets.reshape(B * T), self.dtype)
+            return None, loss
         logits = x.astype(self.dtype) @ wte.astype(self.dtype).T  # tied lm_head
         loss = None
         if targets is not None:  # loss on fp32 logits, also in bf16 compute
@@ -142,6 +145,69 @@ def cross_entropy(logits, targets):
     is_target = jnp.arange(logits.shape[-1]) == targets[..., None]
     target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+
+
+# Tokens per chunk of the fused classifier, as model_torch.CLASSIFIER_CHUNK.
+CLASSIFIER_CHUNK = 8192
+
+
+def chunk_cross_entropy(logits, targets, n):
+    """One chunk of the fused classifier: its logits to fp32, then the chunk's summed
+    cross-entropy and its gradient with respect to the logits, (softmax - one_hot) / n,
+    where n is the number of tokens the loss is the mean over."""
+    logits = logits.astype(jnp.float32)  # the loss on fp32 logits, also in bf16 compute
+    is_target = jnp.arange(logits.shape[-1]) == targets[:, None]
+    logsumexp = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1, keepdims=True)
+    loss = jnp.sum(logsumexp - target_logit)
+    grad = jnp.exp(logits - logsumexp) - is_target  # the softmax minus the one-hot
+    return loss, grad / n
+
+
+def fused_classifier(x, wte, targets, dtype):
+    """The tied lm_head and the mean cross-entropy, chunk by chunk over the N tokens, as
+    model_torch.FusedClassifier: no N x V tensor exists. A custom_vjp, so its forward (a
+    lax.scan over the chunks) forms each chunk's loss and gradient and folds the gradient
+    into dx = g W and dW = g^T x at once; its backward only scales the saved dx and dW.
+    (A scan under jax.checkpoint would be shorter, but it would recompute the head's matmul
+    in backward: one more N x V x d matmul.) x (N, d) fp32, wte (V, d), targets (N,)."""
+    n, d = x.shape
+    full = n // CLASSIFIER_CHUNK * CLASSIFIER_CHUNK  # tokens in whole chunks; the rest after
+
+    def forward(x, wte):
+        w = wte.astype(dtype)
+
+        def chunk(dw, x_and_targets):
+            x_chunk = x_and_targets[0].astype(dtype)
+            logits = x_chunk @ w.T  # (chunk, V) in the compute dtype, as the plain head
+            loss, grad = chunk_cross_entropy(logits, x_and_targets[1], n)
+            grad = grad.astype(dtype)  # as the plain head's backward casts it
+            dx = (grad @ w).astype(jnp.float32)
+            dw = dw + (grad.T @ x_chunk).astype(jnp.float32)
+            return dw, (loss, dx)
+
+        dw = jnp.zeros(wte.shape, jnp.float32)
+        whole = (x[:full].reshape(-1, CLASSIFIER_CHUNK, d),
+                 targets[:full].reshape(-1, CLASSIFIER_CHUNK))
+        dw, (losses, dx) = jax.lax.scan(chunk, dw, whole)
+        dx = dx.reshape(full, d)
+        loss = jnp.sum(losses)
+        if full < n:  # the last, shorter chunk
+            dw, (rest_loss, rest_dx) = chunk(dw, (x[full:], targets[full:]))
+            dx = jnp.concatenate([dx, rest_dx])
+            loss = loss + rest_loss
+        return loss / n, (dx, dw.astype(wte.dtype))
+
+    def backward(saved, grad_loss):
+        dx, dw = saved
+        return dx * grad_loss, dw * grad_loss
+
+    @jax.custom_vjp
+    def loss_of(x, wte):
+        return forward(x, wte)[0]
+
+    loss_of.defvjp(forward, backward)
+    return loss_of(x, wte)
 
 
 def adamw(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95)):

@@ -7,7 +7,9 @@ The shared GPT of the lessons, in PyTorch: nanoGPT's GPT-2, plus the accounting
     logits, loss = model(idx, targets)
 
 Switches the lessons turn: `attn` ("sdpa": fused/flash attention, or "manual": the
-T x T score matrix materialised), `checkpoint` (recompute each block in backward) and
+T x T score matrix materialised), `checkpoint` (recompute each block in backward),
+`fused_classifier` (the head and the loss chunk by chunk over the tokens, so the
+B x T x V logits never exist; with targets the model returns (None, loss)) and
 `vocab_size` (50257 as GPT-2 shipped it, 50304 padded to a multiple of 128).
 Mixed precision is not a switch here: the lessons wrap the model in torch.autocast.
 """
@@ -30,6 +32,7 @@ class GPTConfig:
     n_embd: int = 768
     attn: str = "sdpa"        # "sdpa" (fused, no T x T in memory) or "manual"
     checkpoint: bool = False  # activation checkpointing, one region per block
+    fused_classifier: bool = False  # head + loss chunk by chunk: the B x T x V logits never exist
 
     @staticmethod
     def preset(name, **overrides):
@@ -104,6 +107,55 @@ class Block(nn.Module):
         return x
 
 
+# Tokens per chunk of the fused classifier: a chunk's fp32 logits are 8192 x 50304 x 4 B =
+# 1.6 GB at GPT-2's vocabulary, against 13 GB for a whole 64 x 1024 batch.
+CLASSIFIER_CHUNK = 8192
+
+
+def chunk_cross_entropy(logits, targets, n):
+    """One chunk of the fused classifier: its logits to fp32, then the chunk's summed
+    cross-entropy and its gradient with respect to the logits, (softmax - one_hot) / n,
+    where n is the number of tokens the loss is the mean over."""
+    logits = logits.float()  # the loss on fp32 logits, also under autocast
+    logsumexp = torch.logsumexp(logits, dim=1, keepdim=True)
+    target_logit = logits.gather(1, targets[:, None])
+    loss = (logsumexp - target_logit).sum()
+    is_target = torch.arange(logits.size(1), device=logits.device) == targets[:, None]
+    grad = torch.exp(logits - logsumexp) - is_target.float()  # the softmax minus the one-hot
+    return loss, grad / n
+
+
+class FusedClassifier(torch.autograd.Function):
+    """lm_head and the mean cross-entropy, chunk by chunk over the N tokens (as llm.c's fused
+    classifier and Liger's fused linear cross-entropy): the forward forms each chunk's
+    logits, its loss and its gradient, and folds that gradient straight into dx = g W and
+    dW = g^T x, so no N x V tensor ever exists. Backward only scales the saved dx and dW.
+    Under autocast the matmuls run in bf16 as the plain head's do; dW adds up in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):  # x (N, d), weight (V, d), targets (N,)
+        n = len(targets)
+        loss = torch.zeros((), device=x.device)
+        dx = torch.empty_like(x, dtype=torch.float32)
+        dweight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in range(0, n, CLASSIFIER_CHUNK):
+            end = start + CLASSIFIER_CHUNK
+            x_chunk = x[start:end]
+            logits = x_chunk @ weight.T  # (chunk, V), in the compute dtype autocast picks
+            chunk_loss, grad = chunk_cross_entropy(logits, targets[start:end], n)
+            loss += chunk_loss
+            grad = grad.to(logits.dtype)  # as autograd casts the plain head's gradient
+            dx[start:end] = grad @ weight
+            dweight += (grad.T @ x_chunk).float()
+        ctx.save_for_backward(dx, dweight)
+        return loss / n
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dx, dweight = ctx.saved_tensors
+        return dx * grad_loss, dweight * grad_loss, None
+
+
 class GPT(nn.Module):
 
     def __init__(self, config):
@@ -145,7 +197,11 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        x = self.transformer.ln_f(x)
+        if self.config.fused_classifier and targets is not None:
+            loss = FusedClassifier.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            return None, loss
+        logits = self.lm_head(x)
         loss = None
         if targets is not None:  # loss on fp32 logits, also under autocast
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
@@ -244,6 +300,9 @@ def activation_terms(config, batch_size, seq_len=None, bf16=False):
       ln_f_*              its fp32 input and its stats; lm_head_input: ln_f's output
       log_softmax         the fp32 log-probabilities over the vocabulary, V per token
       loss                the fp32 scalar the mean reduction keeps
+      classifier_dx/_dw   fused_classifier only, in place of lm_head_input, log_softmax,
+                          targets and loss: the gradients its forward already formed, fp32,
+                          d per token (dx) and V x d once (dW); no V-wide value per token
       causal_mask         manual attention only: the T x T bool mask, once per layer
                           (recomputed, not kept, under checkpointing)
       weight_copies       autocast only: the bf16 copies of the weight matrices, saved for
@@ -258,13 +317,21 @@ def activation_terms(config, batch_size, seq_len=None, bf16=False):
     act = 2 if bf16 else 4
     terms = {f"blocks.{name}": tokens * L * b
              for name, b in block_activation_terms(c, T, bf16).items()}
-    terms.update(token_ids=8 * tokens, targets=8 * tokens, position_ids=8 * T, loss=4)
-    terms.update(ln_f_input=4 * d * tokens, ln_f_stats=2 * 4 * tokens,
-                 lm_head_input=act * d * tokens, log_softmax=4 * V * tokens)
+    terms.update(token_ids=8 * tokens, position_ids=8 * T)
+    terms.update(ln_f_input=4 * d * tokens, ln_f_stats=2 * 4 * tokens)
+    if c.fused_classifier:
+        terms.update(classifier_dx=4 * d * tokens, classifier_dw=4 * V * d)
+    else:
+        terms.update(lm_head_input=act * d * tokens, log_softmax=4 * V * tokens)
+        terms.update(targets=8 * tokens, loss=4)
     if c.attn == "manual" and not c.checkpoint:
         terms["causal_mask"] = L * T * T
     if bf16:
-        matrices = V * d + (0 if c.checkpoint else 12 * L * d * d)
+        matrices = 12 * L * d * d  # the blocks' four matrices
+        if c.checkpoint:
+            matrices = 0
+        if not c.fused_classifier:
+            matrices += V * d  # the head's: the fused head keeps no copy
         terms["weight_copies"] = 2 * matrices
     return terms
 
