@@ -4,7 +4,7 @@ per technique, each kept for the rungs after it, all from 07_capstone_torch.py's
 same batches: the speed changes, the losses must not. The JAX profiler says where each
 rung's step goes.
 
-    python 07_capstone_jax.py               # one GPU: gpt2 (124M, T=1024), ~5 min
+    python 07_capstone_jax.py               # one GPU: gpt2 (124M, T=1024), ~4 min
     python 07_capstone_jax.py --headline    # the first jitted vs the final rung, ~2 min
     python 07_capstone_jax.py --scaling     # the final rung on one device, then on all
     python 07_capstone_jax.py --device cpu  # the tiny model, a few minutes on 2 cores
@@ -356,7 +356,10 @@ def energy_meter(devices):
 
 def kernel_class(event, op_paths):
     """The first class one of whose words is in the kernel's (CPU: XLA op's) name or in the
-    JAX paths of the ops it computes (XLA's fusions keep the step's named scopes there)."""
+    JAX paths of the ops it computes (XLA's fusions keep the step's named scopes there).
+    On a GPU, XLA launches the step's kernels inside CUDA command buffers, whose kernels'
+    events name the buffer, not the op: there the loss's and AdamW's fused elementwise
+    kernels count as norm+elementwise (results/h200/probes/jax_compile_time.txt)."""
     op = event.get("args", {}).get("hlo_op", "")
     text = f"{event['name']} {op} {op_paths.get(op, '')}".lower()
     for cls, (_, words) in CLASSES.items():
