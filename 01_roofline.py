@@ -25,9 +25,11 @@ import signal
 import sys
 
 def interrupted(signum, frame):
-    """Ctrl-C at any moment, even while torch is still importing: one line, exit 130."""
-    print("interrupted", file=sys.stderr)
-    sys.exit(130)
+    """Ctrl-C at any moment, even while torch is still importing: one line, exit 130.
+    os._exit: an exception raised in a callback of Python's import machinery is printed
+    and swallowed there."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, interrupted)

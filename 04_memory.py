@@ -20,13 +20,26 @@ fp32 under autocast, equal gradients under checkpointing and accumulation, and e
 technique raising the largest batch.
 """
 
+import os
+import signal
+import sys
+
+
+def interrupted(signum, frame):
+    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
+    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
+
 import argparse
 import gc
 import json
 import math
-import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +55,9 @@ except ModuleNotFoundError as error:
     sys.exit("error: model_torch.py is missing: copy it beside 04_memory.py")
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 MiB = 2**20
 GiB = 2**30

@@ -19,15 +19,27 @@ tiny GPT in a minute or two, GPUs GPT-2 124M; expect "all passed" and a figure i
         --rdzv-endpoint=HOST:PORT 05_ddp_scratch.py
 """
 
+import os
+import signal
+import sys
+
+
+def interrupted(signum, frame):
+    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
+    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
+
 import argparse
 import importlib
 import json
-import os
 import platform
 import re
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -40,6 +52,9 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from model_torch import GPT, GPTConfig
+
+if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 LEARNING_RATE = 1e-3
 GRAD_TOL = 1e-5       # averaged vs whole-batch gradient, relative (fp32 summation order)

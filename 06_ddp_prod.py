@@ -24,16 +24,29 @@ measured, then "checks: ALL PASSED"; in --out, a profiler trace for ui.perfetto.
     #   jax.distributed.initialize("HOST:1234", num_processes=2, process_id=i)
 """
 
+import os
+import signal
+import sys
+
+
+def interrupted(signum, frame):
+    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
+    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
+
 import argparse
 import copy
 import dataclasses
 import datetime
 import gc
 import json
-import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -45,6 +58,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model_torch import GPT, GPTConfig
+
+if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 LR = 6e-4
 PARAM_TOL = LR / 6  # fp32, manual attention: rounding; a wrong all-reduce: ~LR a step

@@ -18,42 +18,53 @@ Text: --data FILE (UTF-8), else the Python standard library's sources; GPT-2 BPE
 tiktoken can load them, else UTF-8 bytes. Needs model_torch.py beside it.
 """
 
+import os
+import signal
 import sys
 
-try:  # Ctrl-C while torch imports: one line, as at any later moment
-    import argparse
-    import gc
-    import hashlib
-    import json
-    import logging
-    import math
-    import os
-    import platform
-    import socket
-    import statistics
-    import sysconfig
-    import tempfile
-    import time
-    import warnings
-    from dataclasses import asdict, dataclass, replace
-    from datetime import timedelta
-    from pathlib import Path
 
-    import numpy as np
-    import torch
-    import torch._inductor.config
-    import torch.distributed as dist
-    from torch._dynamo.callback import callback_handler
-    from torch._dynamo.utils import counters
-    from torch.autograd import DeviceType
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.profiler import ProfilerActivity, profile
+def interrupted(signum, frame):
+    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
+    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
-    from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak
-    from model_torch import flops_per_token
-except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    sys.exit(130)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
+
+import argparse
+import gc
+import hashlib
+import json
+import logging
+import math
+import platform
+import socket
+import statistics
+import sysconfig
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch._inductor.config
+import torch.distributed as dist
+from torch._dynamo.callback import callback_handler
+from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak
+from model_torch import flops_per_token
+
+if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # --- The waterfall: every setting a rung can change, then the rungs, in order.
 
