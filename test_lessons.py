@@ -1,17 +1,24 @@
 """
 Tests for perf-lessons, on the CPU: the shared models, then every lesson run for real
-(`--quick --json`) as a subprocess, from a folder holding only the lesson and the model
-files it imports (as a reader who copies it), asserting on the physics its JSON reports;
-then every bad input each lesson must refuse, in milliseconds, through its `parse_args`.
+(`--quick --json`) from a folder holding only the lesson and the model files it imports (as
+a reader who copies it), asserting on the physics its JSON reports; then every bad input
+each lesson must refuse, in milliseconds, through its `parse_args`.
+
+On 2 cores the suite's time is its CPU, and a third of that was lessons importing torch and
+JAX. So a lesson runs as a fork of one process that has imported them (ZYGOTE_CODE), and
+most runs start with the session, beside the tests that run here (`early`). Gloo ranks are
+forked from this process with the variables torchrun gives them; one test runs torchrun
+itself, and the tests of Ctrl-C during imports start real interpreters.
 
     python -m pytest -q test_lessons.py
 """
 
 import importlib.util
+import itertools
 import json
 import math
 import os
-import select
+import runpy
 import shutil
 import signal
 import socket
@@ -19,7 +26,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +37,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import FAST_COMPILE
 from model_torch import (GPT, GPTConfig, activation_bytes, activation_terms,
                          block_activation_terms, flops_per_token, param_count, state_bytes)
 
 HERE = Path(__file__).resolve().parent
+# One torch thread here and in every lesson the tests start: the toy models' ops take
+# microseconds, and on 2 cores shared by two busy processes each op with a second thread
+# would wait for it whenever the OS has parked it
+torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------------------------------
-# Running a lesson as the reader would: a copy of it alone, a real process, its JSON read back.
+# Running a lesson as the reader would: a copy of it alone, its own process, its JSON read back.
 
 def lesson_folder(script, tmp_path):
     """An empty folder holding the lesson and only the model files it imports."""
     folder = tmp_path / "lesson"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     text = (HERE / script).read_text()
     needs = {"model_jax.py": "model_jax" in text, "model_torch.py": "model_" in text}
     for name in [script] + [f for f, needed in needs.items() if needed]:
@@ -53,30 +68,259 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(script, *args, tmp_path, nproc=None, nnodes=1, devices=None, env=None):
-    """Start `python script *args` from a lesson folder: alone, under torchrun with `nproc`
-    gloo ranks per node (`nnodes` > 1: one torchrun agent per "node", all on this machine,
-    joined through a c10d rendezvous), or with `devices` simulated JAX CPU devices."""
+def launch(script, *args, tmp_path, nproc=None, devices=None, env=None, environ=None,
+           forked=False):
+    """Start `python script *args` from a lesson folder: alone (`forked`: a fork of ZYGOTE),
+    under torchrun with `nproc` gloo ranks, or with `devices` simulated JAX CPU devices.
+    `env` is added to `environ` (default: this process's environment). A list of the
+    launched processes (of one)."""
     folder = lesson_folder(script, tmp_path)
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    full_env["OMP_NUM_THREADS"] = "1" if nproc else full_env.get("OMP_NUM_THREADS", "2")
+    full_env = dict(environ or os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    full_env["OMP_NUM_THREADS"] = "1"  # one thread, as in this process (see HERE)
     if devices:
         full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     full_env.update(env or {})
+    if forked:
+        return [ZYGOTE.start(folder, [script, *args], full_env)]
     if not nproc:
         return [subprocess.Popen([sys.executable, script, *args], cwd=folder, env=full_env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  start_new_session=True)]
-    if nnodes == 1:
-        rdzv = ["--standalone"]
-    else:
-        rdzv = [f"--nnodes={nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=test"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={nproc}",
-           script, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", script, *args]
     return [subprocess.Popen(cmd, cwd=folder, env=full_env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-            for _ in range(nnodes)]
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)]
+
+
+# A lesson started as a reader starts it spends 4-7 s of CPU importing numpy, matplotlib,
+# torch and JAX before its first line; on 2 cores, a third of the suite. So most runs are
+# forks of one process that has imported them once (ZYGOTE_CODE). Each fork then runs the
+# lesson file as `python lesson.py` does: its own session, environment, folder, argv, its
+# output to files, a normal interpreter exit. The runs that test the imports themselves
+# (Ctrl-C while importing, a missing model file) start real interpreters, as does torchrun.
+
+ZYGOTE_CODE = """
+import json, os, runpy, signal, sys
+import numpy, matplotlib.pyplot, torch, jax, flax.nnx, optax  # once, for every fork
+
+def reap(signum, frame):  # an ended fork's exit code, into its file
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        rc = CODE_FILES.pop(pid)
+        with open(rc + ".part", "w") as f:
+            f.write(str(os.waitstatus_to_exitcode(status)))
+        os.rename(rc + ".part", rc)  # whole, or not there
+
+CODE_FILES = {}
+signal.signal(signal.SIGCHLD, reap)
+for line in sys.stdin:
+    job = json.loads(line)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # no reap before it is known
+    pid = os.fork()
+    if pid == 0:  # the lesson, as `python script *args` runs it
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+        os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(os.open(job["out"], os.O_WRONLY), 1)
+        os.dup2(os.open(job["err"], os.O_WRONLY), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # PYTHONUNBUFFERED's lines
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.argv = job["argv"]
+        sys.path[0] = job["cwd"]
+        runpy.run_path(job["argv"][0], run_name="__main__")
+        sys.exit()
+    CODE_FILES[pid] = job["rc"]
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    print(pid, flush=True)
+"""
+
+
+ZYGOTE = None  # the session's Zygote, started by `early`
+
+
+class Zygote:
+    """The process of ZYGOTE_CODE, started from the session's environment; `start` forks a
+    lesson from it (from any thread)."""
+
+    def __init__(self, environ):
+        self.process = subprocess.Popen([sys.executable, "-c", ZYGOTE_CODE],
+                                        env=dict(environ, OMP_NUM_THREADS="1"),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, start_new_session=True)
+        self.lock = threading.Lock()
+        self.forks = itertools.count()
+
+    def start(self, folder, argv, env):
+        """`python *argv` in `folder` with `env`, forked: a Forked. Its output goes to
+        files beside the folder, which holds the lesson alone."""
+        name = folder.parent / f"forked{next(self.forks)}"
+        out = Path(f"{name}.out")
+        err = Path(f"{name}.err")
+        out.touch()
+        err.touch()
+        job = dict(cwd=str(folder), argv=argv, env=env, out=str(out), err=str(err),
+                   rc=f"{name}.rc")
+        with self.lock:
+            self.process.stdin.write(json.dumps(job) + "\n")
+            self.process.stdin.flush()
+            pid = int(self.process.stdout.readline())
+        return Forked(argv, pid, out, err, Path(job["rc"]))
+
+    def close(self):
+        self.process.stdin.close()  # its loop ends; forks still running finish on their own
+        self.process.wait(timeout=60)
+
+
+class Forked:
+    """A lesson forked from the zygote, with what the tests use of subprocess.Popen: args,
+    pid, returncode, stdout read line by line as it is written, communicate(), kill()."""
+
+    def __init__(self, args, pid, out, err, rc):
+        self.args = args
+        self.pid = pid
+        self.returncode = None
+        self.reader = open(out)
+        self.err = err
+        self.rc = rc
+        self.stdout = self  # its lines as they are written, as from a pipe
+
+    def poll(self):
+        if self.returncode is None and self.rc.exists():
+            self.returncode = int(self.rc.read_text())
+        return self.returncode
+
+    def readline(self, timeout=300):
+        """The next whole line; at the end, what is left ("" once all is read)."""
+        deadline = time.monotonic() + timeout
+        line = ""
+        while not line.endswith("\n"):
+            ended = self.poll() is not None  # then all it wrote is in the file
+            line += self.reader.readline()
+            if ended:
+                return line
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            if not line.endswith("\n"):
+                time.sleep(0.02)
+        return line
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
+
+    def communicate(self, timeout=300):
+        """Wait for the exit: (the stdout not yet read, all of stderr)."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.reader.read(), self.err.read_text()
+
+    def kill(self):
+        os.killpg(self.pid, signal.SIGKILL)
+
+
+@dataclass
+class Rank:
+    """A rank forked from this process: its process id, and its stdout and stderr as files."""
+    pid: int
+    out: Path
+    err: Path
+
+
+def fork_ranks(script, *args, tmp_path, world, nodes=1):
+    """`torchrun --nnodes=<nodes> --nproc_per_node=<world/nodes> script *args` without
+    torchrun: `world` gloo ranks forked from this process (torch already imported: no
+    interpreter to start), each given the variables torchrun gives a rank and run as
+    `__main__` from a lesson folder. Their Ranks, for wait_ranks."""
+    folder = lesson_folder(script, tmp_path)
+    local = world // nodes
+    env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    ranks = []
+    # JAX warns that a fork may deadlock: the ranks run torch alone, and wait_ranks kills a
+    # rank still running after its timeout, which fails the test
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+        for rank in range(world):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % local),
+                            GROUP_RANK=str(rank // local))
+            out = folder / f"rank{rank}.out"
+            err = folder / f"rank{rank}.err"
+            pid = os.fork()
+            if pid == 0:  # the rank: the lesson, then out at once, past pytest's exit handlers
+                os._exit(run_as_main(folder / script, args, rank_env, out, err))
+            ranks.append(Rank(pid, out, err))
+    return ranks
+
+
+def run_as_main(path, args, env, out, err):
+    """In a forked child: `python path *args > out 2> err` with `env` added; its exit code."""
+    code = 1
+    try:
+        os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT), 1)
+        os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT), 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.environ.update(env)
+        os.chdir(path.parent)
+        torch.set_num_threads(1)  # as under torchrun; OpenMP's threads do not survive a fork
+        sys.argv = [path.name, *args]
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+        if isinstance(code, str):  # sys.exit("error: ..."): the text on stderr, exit 1
+            print(code, file=sys.stderr)
+            code = 1
+        if code is None:
+            code = 0
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def wait_ranks(ranks, timeout=120):
+    """The forked ranks' exit codes; a rank still running after `timeout` s is killed."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for rank in ranks:
+        while True:
+            done, status = os.waitpid(rank.pid, os.WNOHANG)
+            if done:
+                codes.append(os.waitstatus_to_exitcode(status))
+                break
+            if time.monotonic() > deadline:
+                for other in ranks:
+                    os.kill(other.pid, signal.SIGKILL)
+                raise TimeoutError(f"a forked rank ran past {timeout} s")
+            time.sleep(0.05)
+    return codes
+
+
+def stderr_tails(ranks):
+    """Each rank's last lines of stderr: what an assertion on its exit code shows."""
+    tails = []
+    for number, rank in enumerate(ranks):
+        tails.append(f"rank {number}: {rank.err.read_text()[-2000:]}")
+    return "\n".join(tails)
 
 
 def run_process(script, *args, timeout=240, **kwargs):
@@ -108,10 +352,10 @@ def interrupt(script, *args, after, timeout=60, **kwargs):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def ctrl_c_after_first_line(script, *args, tmp_path):
+def ctrl_c_after_first_line(script, *args, tmp_path, environ=None):
     """Press Ctrl-C once the lesson prints its first line ("device: ..."), i.e. once its
     imports are done and the measurements begin. Returns (exit code, stderr)."""
-    proc = launch(script, *args, tmp_path=tmp_path)[0]
+    proc = launch(script, *args, tmp_path=tmp_path, environ=environ, forked=True)[0]
     first = proc.stdout.readline()
     assert first.startswith("device:"), first
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
@@ -123,14 +367,53 @@ def ctrl_c_after_first_line(script, *args, tmp_path):
     return proc.returncode, err
 
 
-def run_lesson(script, *args, tmp_path, **kwargs):
-    """Run `script --quick --device cpu --json F --out DIR *args` and return its JSON."""
-    out = tmp_path / f"{Path(script).stem}.json"
-    proc = run_process(script, "--quick", "--device", "cpu", "--json", str(out),
-                       "--out", str(tmp_path / "out"), *args, tmp_path=tmp_path, **kwargs)
+def quick_run(script, *args, json_path, tmp_path, **kwargs):
+    """Run `script --quick --device cpu --json json_path --out DIR *args` to the end; the
+    CompletedProcess, its exit code checked."""
+    proc = run_process(script, "--quick", "--device", "cpu", "--json", str(json_path),
+                       "--out", str(tmp_path / "out"), *args, tmp_path=tmp_path, forked=True,
+                       **kwargs)
     assert proc.returncode == 0, (f"{script} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return proc
+
+
+# The lessons' runs that need nothing from this process start with the session, in two
+# queues (the long runs, the short ones), each a thread that runs one at a time: the tests
+# here take one core, the runs the rest. A run's fixture waits for it. EARLY_RUNS, at the end
+# of this file, names them in the order the tests need them.
+
+@pytest.fixture(scope="session", autouse=True)
+def early(request, tmp_path_factory):
+    """{fixture name: the Future of its run}, for the runs a selected test needs; and the
+    session's ZYGOTE. Each run starts from the environment the session began with: no
+    test's monkeypatched variable reaches it."""
+    global ZYGOTE
+    environ = dict(os.environ)
+    ZYGOTE = Zygote(environ)
+    needed = set()
+    for item in request.session.items:
+        needed.update(item.fixturenames)
+    pools = []
+    runs = {}
+    for queue in EARLY_RUNS.values():
+        pool = ThreadPoolExecutor(max_workers=1)
+        for name, start in queue.items():
+            if name in needed:
+                runs[name] = pool.submit(start, tmp_path_factory.mktemp(name), environ)
+        pools.append(pool)
+    yield runs
+    for pool in pools:
+        pool.shutdown(cancel_futures=True)
+    ZYGOTE.close()
+
+
+def waits_for(name):
+    """The fixture `name`: the result of the early run of that name, once it has ended."""
+    @pytest.fixture(scope="module", name=name)
+    def result(early):
+        return early[name].result()
+    return result
 
 
 def load_lesson(script):
@@ -601,15 +884,14 @@ def test_jax_fused_classifier_equals_torch_fused(fused_heads):
 # 01_roofline.py
 
 
-@pytest.fixture(scope="module")
-def roofline(tmp_path_factory):
+def start_roofline(tmp, environ):
     """One --quick CPU run for the whole module: (its JSON, its stdout, its folder)."""
-    tmp = tmp_path_factory.mktemp("roofline")
     out = tmp / "01_roofline.json"
-    proc = run_process("01_roofline.py", "--quick", "--device", "cpu", "--json", str(out),
-                       "--out", str(tmp / "out"), tmp_path=tmp)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = quick_run("01_roofline.py", json_path=out, tmp_path=tmp, environ=environ)
     return json.loads(out.read_text()), proc.stdout, tmp
+
+
+roofline = waits_for("roofline")
 
 
 def test_roofline_measures_both_ceilings(roofline):
@@ -743,9 +1025,16 @@ def test_roofline_flags_what_the_machine_cannot_have_done():
     assert unreliable(dict(median_s=1.0, min_s=0.9, max_s=1.1), rate=1.2, ceiling=1.0)
 
 
-def test_roofline_ctrl_c_is_one_line_and_130(tmp_path):
-    returncode, err = ctrl_c_after_first_line("01_roofline.py", "--device", "cpu",
-                                              tmp_path=tmp_path)
+def start_roofline_ctrl_c(tmp_path, environ):
+    return ctrl_c_after_first_line("01_roofline.py", "--device", "cpu", tmp_path=tmp_path,
+                                   environ=environ)
+
+
+roofline_ctrl_c = waits_for("roofline_ctrl_c")
+
+
+def test_roofline_ctrl_c_is_one_line_and_130(roofline_ctrl_c):
+    returncode, err = roofline_ctrl_c
     assert returncode == 130, err[-2000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -754,15 +1043,14 @@ def test_roofline_ctrl_c_is_one_line_and_130(tmp_path):
 # 02_hardware.py
 
 
-@pytest.fixture(scope="module")
-def hardware(tmp_path_factory):
+def start_hardware(tmp, environ):
     """One --quick CPU run for the whole module: its JSON, its folder, what it printed."""
-    tmp = tmp_path_factory.mktemp("hardware")
     path = tmp / "02_hardware.json"
-    proc = run_process("02_hardware.py", "--quick", "--device", "cpu", "--json", str(path),
-                       "--out", str(tmp / "out"), tmp_path=tmp)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = quick_run("02_hardware.py", json_path=path, tmp_path=tmp, environ=environ)
     return json.loads(path.read_text()), tmp, proc.stdout
+
+
+hardware = waits_for("hardware")
 
 
 def test_02_hardware_quick_cpu(hardware):
@@ -988,14 +1276,22 @@ def test_02_flags_what_the_machine_cannot_have_done():
     assert lesson.mark(True) == "  unreliable (machine busy)" and lesson.mark(False) == ""
 
 
-def test_02_ctrl_c_is_one_line_and_130(tmp_path):
-    # while torch imports (the first second), then once the measurements have begun
-    proc = interrupt("02_hardware.py", "--device", "cpu", "--out", str(tmp_path / "out"),
-                     after=0.5, tmp_path=tmp_path)
+def start_hardware_ctrl_c(tmp_path, environ):
+    """While torch imports (the first second), then once the measurements have begun."""
+    early = interrupt("02_hardware.py", "--device", "cpu", "--out", str(tmp_path / "out"),
+                      after=0.5, tmp_path=tmp_path, environ=environ)
+    later = ctrl_c_after_first_line("02_hardware.py", "--device", "cpu", "--out",
+                                    str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
+    return early, later
+
+
+hardware_ctrl_c = waits_for("hardware_ctrl_c")
+
+
+def test_02_ctrl_c_is_one_line_and_130(hardware_ctrl_c):
+    proc, (returncode, err) = hardware_ctrl_c
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip() == "interrupted", proc.stderr[-2000:]
-    returncode, err = ctrl_c_after_first_line("02_hardware.py", "--device", "cpu", "--out",
-                                              str(tmp_path / "out"), tmp_path=tmp_path)
     assert returncode == 130 and err.strip() == "interrupted", err[-2000:]
 
 
@@ -1011,15 +1307,14 @@ def test_02_without_the_model_file_says_which_to_copy(tmp_path):
 # 03_compile.py
 
 
-@pytest.fixture(scope="module")
-def compile_run(tmp_path_factory):
+def start_compile_run(tmp_path, environ):
     """One quick CPU run of 03_compile.py shared by the tests below: (process, JSON, folder)."""
-    tmp_path = tmp_path_factory.mktemp("03_compile")
     out = tmp_path / "missing" / "03_compile.json"  # the lesson makes the missing folder
-    proc = run_process("03_compile.py", "--quick", "--device", "cpu", "--json", str(out),
-                       "--out", str(tmp_path / "out"), tmp_path=tmp_path)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = quick_run("03_compile.py", json_path=out, tmp_path=tmp_path, environ=environ)
     return proc, json.loads(out.read_text()), tmp_path
+
+
+compile_run = waits_for("compile_run")
 
 
 @pytest.fixture(scope="module")
@@ -1178,9 +1473,16 @@ def test_compile_bad_input_refused_before_the_work(compile_lesson, argv, code, m
     assert refused(compile_lesson.parse_args, argv) == code
 
 
-def test_compile_ctrl_c_one_line_exit_130(tmp_path):
-    returncode, err = ctrl_c_after_first_line("03_compile.py", "--quick", "--device", "cpu",
-                                              tmp_path=tmp_path)
+def start_compile_ctrl_c(tmp_path, environ):
+    return ctrl_c_after_first_line("03_compile.py", "--quick", "--device", "cpu",
+                                   tmp_path=tmp_path, environ=environ)
+
+
+compile_ctrl_c = waits_for("compile_ctrl_c")
+
+
+def test_compile_ctrl_c_one_line_exit_130(compile_ctrl_c):
+    returncode, err = compile_ctrl_c
     assert returncode == 130
     assert err.strip() == "interrupted"
 
@@ -1198,15 +1500,14 @@ def test_compile_json_folder_made_at_the_start(compile_lesson, tmp_path):
 GiB = 2**30
 
 
-@pytest.fixture(scope="module")
-def memory_run(tmp_path_factory):
+def start_memory_run(tmp_path, environ):
     """One quick CPU run of 04_memory.py shared by the tests below: (process, JSON, folder)."""
-    tmp_path = tmp_path_factory.mktemp("04_memory")
     out = tmp_path / "04_memory.json"
-    proc = run_process("04_memory.py", "--quick", "--device", "cpu", "--json", str(out),
-                       "--out", str(tmp_path / "out"), tmp_path=tmp_path)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = quick_run("04_memory.py", json_path=out, tmp_path=tmp_path, environ=environ)
     return proc, json.loads(out.read_text()), tmp_path
+
+
+memory_run = waits_for("memory_run")
 
 
 @pytest.fixture(scope="module")
@@ -1396,9 +1697,16 @@ def test_memory_without_model_file_says_which_to_copy(tmp_path):
         "error: model_torch.py is missing: copy it beside 04_memory.py"]
 
 
-def test_memory_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    returncode, err = ctrl_c_after_first_line("04_memory.py", "--device", "cpu", "--out",
-                                              str(tmp_path / "out"), tmp_path=tmp_path)
+def start_memory_ctrl_c(tmp_path, environ):
+    return ctrl_c_after_first_line("04_memory.py", "--device", "cpu", "--out",
+                                   str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
+
+
+memory_ctrl_c = waits_for("memory_ctrl_c")
+
+
+def test_memory_ctrl_c_is_one_line_and_exit_130(memory_ctrl_c):
+    returncode, err = memory_ctrl_c
     assert returncode == 130 and err.strip() == "interrupted", err[-2000:]
 
 
@@ -1451,10 +1759,13 @@ def check_ddp_scratch(r, world):
 
 
 def test_ddp_scratch_three_nodes_of_one_rank(tmp_path):
-    """torchrun past one machine: three agents (three "nodes") of one gloo rank each, joined by
-    a c10d rendezvous; N=3, so the chunks are uneven; a clean exit: an agent whose rank
-    aborts while tearing down exits non-zero."""
-    r = run_lesson(DDP_SCRATCH, nproc=1, nnodes=3, tmp_path=tmp_path)
+    """Past one machine: three "nodes" of one gloo rank each, with the variables torchrun
+    --nnodes=3 gives them; N=3, so the chunks are uneven; every rank exits 0."""
+    out = tmp_path / "r.json"
+    ranks = fork_ranks(DDP_SCRATCH, "--quick", "--device", "cpu", "--json", str(out), "--out",
+                       str(tmp_path / "out"), tmp_path=tmp_path, world=3, nodes=3)
+    assert wait_ranks(ranks) == [0, 0, 0], stderr_tails(ranks)
+    r = json.loads(out.read_text())
     check_ddp_scratch(r, 3)
     assert r["nodes"] == 3
     assert (tmp_path / "out" / "05_ddp_scratch_allreduce.png").exists()
@@ -1564,28 +1875,31 @@ def test_ddp_scratch_ring_schedule_sums_on_every_rank():
 
 
 def test_ddp_scratch_ctrl_c_on_one_node_stops_the_other(tmp_path):
-    """Two "nodes" of one rank each under torchrun. Ctrl-C on one node's terminal (torchrun then
-    forwards the signal once more): its rank prints one line and exits 130. The other rank, now
-    without its peer, stops at once with a one-line reason and exits 1: no hang, no traceback."""
-    agents = launch(DDP_SCRATCH, "--quick", "--device", "cpu", nproc=1, nnodes=2, tmp_path=tmp_path)
-    watchdog = threading.Timer(120, lambda: [agent.kill() for agent in agents])  # never hang
-    watchdog.start()
+    """Two "nodes" of one rank each. Ctrl-C on one node's terminal reaches its rank twice
+    (from the terminal, then forwarded by its torchrun agent): the rank prints one line and
+    exits 130. The other rank, now without its peer, stops at once with a one-line reason and
+    exits 1: no hang, no traceback."""
+    ranks = fork_ranks(DDP_SCRATCH, "--quick", "--device", "cpu", tmp_path=tmp_path, world=2,
+                       nodes=2)
     try:
-        rank0 = None
-        while rank0 is None:  # rank 0 (on whichever node it landed) starts training
-            for pipe in select.select([agent.stdout for agent in agents], [], [], 60)[0]:
-                if pipe.readline().startswith("== 1."):
-                    rank0 = next(agent for agent in agents if agent.stdout is pipe)
-        rank1 = next(agent for agent in agents if agent is not rank0)
-        os.killpg(rank1.pid, signal.SIGINT)  # what rank 1's terminal does: its process group
+        deadline = time.monotonic() + 60
+        while "== 1." not in ranks[0].out.read_text():  # rank 0 starts training
+            assert time.monotonic() < deadline, stderr_tails(ranks)
+            time.sleep(0.05)
+        os.kill(ranks[1].pid, signal.SIGINT)  # the terminal's
+        time.sleep(0.05)
+        os.kill(ranks[1].pid, signal.SIGINT)  # the agent's, forwarded
         interrupted = time.monotonic()
-        (out0, err0), (out1, err1) = rank0.communicate(timeout=60), rank1.communicate(timeout=60)
     finally:
-        watchdog.cancel()
-    assert time.monotonic() - interrupted < 20 and "checks:" not in out0 + out1
-    assert rank1.returncode != 0 and err1.count("interrupted") == 1 and "KeyboardInterrupt" not in err1
-    assert rank0.returncode != 0 and err0.count("error: rank 0: ") == 1  # then torchrun's summary
-    assert "Traceback" not in err0.split("error: rank 0: ")[0]
+        codes = wait_ranks(ranks, timeout=60)
+    assert time.monotonic() - interrupted < 20
+    out0 = ranks[0].out.read_text()
+    err0 = ranks[0].err.read_text()
+    err1 = ranks[1].err.read_text()
+    assert "checks:" not in out0 + ranks[1].out.read_text()
+    assert codes == [1, 130], stderr_tails(ranks)
+    assert err1.count("interrupted") == 1 and "KeyboardInterrupt" not in err1
+    assert err0.count("error: rank 0: ") == 1 and "Traceback" not in err0
 
 
 # ---------------------------------------------------------------------------------------
@@ -1594,9 +1908,10 @@ def test_ddp_scratch_ctrl_c_on_one_node_stops_the_other(tmp_path):
 
 JAX_PROCESS = """
 import os, sys
-# XLA's backend at -O0: about half the compile time; the same HLO, collectives, shardings
+# XLA:CPU's fastest compile (conftest.py's): the same HLO, collectives, shardings
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2"
-                           " --xla_backend_optimization_level=0")
+                           " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false")
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes: gloo
@@ -1626,21 +1941,30 @@ for name, params, rows in placements:
 """
 
 
-def test_06_jax_multi_process_path_on_cpus(tmp_path):
-    # The README's multi-machine JAX recipe, as two processes of two CPU devices each joined by
-    # jax.distributed.initialize: one global mesh of 4 devices, gloo collectives between the
-    # processes; two data-parallel AdamW steps equal one device's on the whole batch.
+def start_jax_multi_process(tmp_path, environ):
+    """JAX_PROCESS as two processes: [(exit code, stdout, stderr)] of each."""
     folder = lesson_folder("model_jax.py", tmp_path)
     (folder / "job.py").write_text(JAX_PROCESS)
     address = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, "job.py", address, str(i)], cwd=folder, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in (0, 1)]
-    outputs = [proc.communicate(timeout=400) for proc in procs]  # 2 busy cores: minutes
+    env = {k: v for k, v in environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    procs = [ZYGOTE.start(folder, ["job.py", address, str(i)], env) for i in (0, 1)]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=400)  # 2 busy cores: minutes
+        outputs.append((proc.returncode, out, err))
+    return outputs
+
+
+jax_multi_process = waits_for("jax_multi_process")
+
+
+def test_06_jax_multi_process_path_on_cpus(jax_multi_process):
+    # The README's multi-machine JAX recipe, as two processes of two CPU devices each joined by
+    # jax.distributed.initialize: one global mesh of 4 devices, gloo collectives between the
+    # processes; two data-parallel AdamW steps equal one device's on the whole batch.
     printed = []
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-2000:]
+    for returncode, out, err in jax_multi_process:
+        assert returncode == 0, err[-2000:]
         lines = {line.split()[0]: line.split()[1:] for line in out.splitlines()
                  if line.startswith(("global ", "one "))}  # gloo prints its own lines too
         assert lines["global"][0] == "4"  # 2 processes x 2 devices in one mesh
@@ -1652,10 +1976,15 @@ def test_06_jax_multi_process_path_on_cpus(tmp_path):
 
 
 def test_06_ddp_two_nodes_of_one_rank(tmp_path):
-    """World 2 over two torchrun agents joined by a c10d rendezvous (ranks spanning "machines"):
-    DDP ends where hand-rolled ends, the buckets are counted, no_sync and FSDP2 hold."""
-    r = run_lesson("06_ddp_prod.py", "--interconnect", "staged", nproc=1, nnodes=2,
-                   tmp_path=tmp_path)
+    """World 2 as two "nodes" of one rank, with the variables torchrun --nnodes=2 gives them
+    (ranks spanning "machines"): DDP ends where hand-rolled ends, the buckets are counted,
+    no_sync and FSDP2 hold. (Real torchrun: the Ctrl-C test below.)"""
+    out = tmp_path / "r.json"
+    ranks = fork_ranks("06_ddp_prod.py", "--quick", "--device", "cpu", "--interconnect",
+                       "staged", "--json", str(out), "--out", str(tmp_path / "out"),
+                       tmp_path=tmp_path, world=2, nodes=2)
+    assert wait_ranks(ranks) == [0, 0], stderr_tails(ranks)
+    r = json.loads(out.read_text())
     assert r["framework"] == "torch" and r["world_size"] == 2 and r["backend"] == "gloo"
     assert all(r["checks"].values()), r["checks"]
     assert r["interconnect"]["name"] == "staged" and "no NCCL" in r["interconnect"]["transport"]
@@ -1690,14 +2019,24 @@ def test_06_ddp_two_nodes_of_one_rank(tmp_path):
     assert trace.stat().st_size < 16 * 2**20
 
 
-def test_06_jax_three_devices_shard_what_divides(tmp_path):
+def start_jax_three_devices(tmp_path, environ):
+    """06's JAX half on 3 simulated CPU devices: its JSON."""
+    # XLA:CPU's fastest compile (conftest.py's): 16 s of CPU, not 23; the HLO, its
+    # collectives and shardings are the same
+    flags = f"--xla_force_host_platform_device_count=3 {FAST_COMPILE}"
+    out = tmp_path / "06_ddp_prod.json"
+    quick_run("06_ddp_prod.py", "--framework", "jax", json_path=out, tmp_path=tmp_path,
+              env={"XLA_FLAGS": flags}, environ=environ)
+    return json.loads(out.read_text())
+
+
+jax_three_devices = waits_for("jax_three_devices")
+
+
+def test_06_jax_three_devices_shard_what_divides(jax_three_devices):
     """A Mesh of 3: jit inserts the all-reduce, the losses equal one device's; 3 divides few of
     this model's shapes, so what cannot be split stays replicated and the bytes say so."""
-    # XLA's backend at -O0 compiles in about half the time; the HLO, its collectives and
-    # shardings are the same
-    flags = "--xla_force_host_platform_device_count=3 --xla_backend_optimization_level=0"
-    r = run_lesson("06_ddp_prod.py", "--framework", "jax", env={"XLA_FLAGS": flags},
-                   tmp_path=tmp_path)
+    r = jax_three_devices
     assert r["framework"] == "jax" and r["n_devices"] == 3
     assert all(r["checks"].values()), r["checks"]
     assert r["single_device"]["collectives"]["all-reduce"] == 0
@@ -1750,12 +2089,12 @@ def test_06_bad_paths_refused_before_the_work(tmp_path, monkeypatch):
     assert not args.json.exists() and not any((tmp_path / "b").iterdir())
 
 
-def test_06_jax_adds_the_device_count_to_the_users_xla_flags(tmp_path):
-    """XLA_FLAGS without a device count: the lesson adds one (and says so), keeps the user's
-    flag, and runs on 4 devices, not 1; Ctrl-C then stops it with one line and exit 130."""
-    flags = "--xla_backend_optimization_level=3"
+def start_jax_own_flags(tmp_path, environ):
+    """06's JAX half with the user's XLA_FLAGS, Ctrl-C once it names its devices: (the lines
+    up to then, the CompletedProcess)."""
     proc = launch("06_ddp_prod.py", "--quick", "--device", "cpu", "--out", str(tmp_path / "o"),
-                  tmp_path=tmp_path, env={"XLA_FLAGS": flags})[0]
+                  tmp_path=tmp_path, env={"XLA_FLAGS": "--xla_backend_optimization_level=3"},
+                  environ=environ, forked=True)[0]
     said = []
     for line in proc.stdout:
         said.append(line)
@@ -1763,6 +2102,17 @@ def test_06_jax_adds_the_device_count_to_the_users_xla_flags(tmp_path):
             break
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
+    return said, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+jax_own_flags = waits_for("jax_own_flags")
+
+
+def test_06_jax_adds_the_device_count_to_the_users_xla_flags(jax_own_flags):
+    """XLA_FLAGS without a device count: the lesson adds one (and says so), keeps the user's
+    flag, and runs on 4 devices, not 1; Ctrl-C then stops it with one line and exit 130."""
+    said, proc = jax_own_flags
+    stderr = proc.stderr
     assert said[0].startswith("XLA_FLAGS: added --xla_force_host_platform_device_count=4")
     assert said[-1].startswith("device: 4 x cpu"), said
     assert proc.returncode == 130 and stderr.count("interrupted") == 1, stderr[-2000:]
@@ -1789,15 +2139,44 @@ def test_06_jax_refuses_one_device(tmp_path, monkeypatch, capsys):
     assert "device:" not in capsys.readouterr().out  # refused before the work
 
 
-def test_06_ctrl_c_under_torchrun_one_line_per_rank(tmp_path):
-    """Ctrl-C once the ranks are at work (rank 0 has printed): each says one line, exit 130."""
+def start_torchrun_ctrl_c(tmp_path, environ):
+    """06 under torchrun, 2 ranks; Ctrl-C once rank 0 has printed: torchrun's stderr."""
     proc = launch("06_ddp_prod.py", "--quick", "--device", "cpu", "--out", str(tmp_path / "out"),
-                  nproc=2, tmp_path=tmp_path)[0]
+                  nproc=2, tmp_path=tmp_path, environ=environ)[0]
     for line in proc.stdout:  # rank 0 speaks after the first collective: both ranks are in
         if line.startswith("device:"):
             break
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
     stdout, stderr = proc.communicate(timeout=60)
+    return stderr
+
+
+torchrun_ctrl_c = waits_for("torchrun_ctrl_c")
+
+
+def start_ctrl_c_while_importing(tmp_path, environ):
+    """04, 05 and 06 as a reader starts them, Ctrl-C 0.7 s in, while torch imports:
+    {script: CompletedProcess}."""
+    results = {}
+    for script in ("04_memory.py", "05_ddp_scratch.py", "06_ddp_prod.py"):
+        results[script] = interrupt(script, "--quick", "--device", "cpu", after=0.7,
+                                    tmp_path=tmp_path / script, environ=environ)
+    return results
+
+
+ctrl_c_while_importing = waits_for("ctrl_c_while_importing")
+
+
+@pytest.mark.parametrize("script", ["04_memory.py", "05_ddp_scratch.py", "06_ddp_prod.py"])
+def test_ctrl_c_while_importing_is_one_line_and_130(ctrl_c_while_importing, script):
+    result = ctrl_c_while_importing[script]
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert result.stderr.strip() == "interrupted", result.stderr[-2000:]
+
+
+def test_06_ctrl_c_under_torchrun_one_line_per_rank(torchrun_ctrl_c):
+    """Ctrl-C once the ranks are at work (rank 0 has printed): each says one line, exit 130."""
+    stderr = torchrun_ctrl_c
     assert stderr.count("interrupted") == 2, stderr[-3000:]
     assert '06_ddp_prod.py", line' not in stderr  # no traceback from the lesson's ranks
 
@@ -1809,8 +2188,6 @@ def test_06_ctrl_c_under_torchrun_one_line_per_rank(tmp_path):
 
 import contextlib  # noqa: E402 (this section's: main() run in this process)
 import io  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
 
 import model_torch  # noqa: E402 (its classifier's loss, replaced by the mutation tests)
 
@@ -1873,47 +2250,6 @@ def capstone_torch_module():
     return load_lesson("07_capstone_torch.py")
 
 
-def fork_ranks(main, argv, world):
-    """Start main(argv) on `world` gloo ranks forked from this process, each with the
-    environment torchrun gives it; their process ids."""
-    env = dict(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:  # the rank: main(), then out at once, past pytest's exit handlers
-            code = 1
-            try:
-                os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-                main(argv)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        pids.append(pid)
-    return pids
-
-
-def wait_ranks(pids, timeout=120):
-    """The forked ranks' exit codes; a rank still running after `timeout` s is killed."""
-    deadline = time.monotonic() + timeout
-    codes = []
-    for pid in pids:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes.append(os.waitstatus_to_exitcode(status))
-                break
-            if time.monotonic() > deadline:
-                for other in pids:
-                    os.kill(other, signal.SIGKILL)
-                raise TimeoutError(f"a forked rank ran past {timeout} s")
-            time.sleep(0.05)
-    return codes
-
-
 @pytest.fixture(scope="module")
 def capstone_torch_runs(capstone_torch_module, tmp_path_factory):
     """The waterfall on 2 ranks forked from this process, and meanwhile main() here: a
@@ -1924,27 +2260,21 @@ def capstone_torch_runs(capstone_torch_module, tmp_path_factory):
     argv = ["--quick", "--device", "cpu", "--data", str(small_text(folder))]
     cwd = os.getcwd()
     caches = torch._inductor.config.force_disable_caches
-    threads = torch.get_num_threads()
     os.chdir(folder)  # the token cache goes there
-    torch.set_num_threads(1)  # as under torchrun: a toy model, no threads to wait for
-    pids = []
+    ranks = []
     try:
-        # JAX warns that a fork may deadlock: the ranks run torch alone, and wait_ranks
-        # kills a rank still running after its timeout, which fails the test
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
-            pids = fork_ranks(m.main, argv + ["--json", "ddp.json", "--out", "ddp"], world=2)
+        ranks = fork_ranks("07_capstone_torch.py", *argv, "--json", str(folder / "ddp.json"),
+                           "--out", str(folder / "ddp"), tmp_path=folder, world=2)
         with contextlib.redirect_stdout(io.StringIO()) as stdout:
             m.main(argv + ["--json", "waterfall.json"])
         m.main(argv + ["--headline", "--json", "headline.json"])
         shared, _, _, _ = m.setup(m.parse_args(argv))
     finally:
-        codes = wait_ranks(pids)
+        codes = wait_ranks(ranks)
         os.chdir(cwd)
         torch.set_float32_matmul_precision("highest")
         torch._inductor.config.force_disable_caches = caches
-        torch.set_num_threads(threads)
-    assert codes == [0, 0], "a forked rank failed: its traceback is in the captured stderr"
+    assert codes == [0, 0], stderr_tails(ranks)
     runs = dict(shared=shared, stdout=stdout.getvalue())
     for name in ("waterfall", "headline", "ddp"):
         runs[name] = json.loads((folder / f"{name}.json").read_text())
@@ -2277,41 +2607,66 @@ def test_capstone_torch_tokenizer_without_network(capstone_torch_module, tmp_pat
     assert refusal.value.code.startswith("error: --tokenizer gpt2")
 
 
-def test_capstone_torch_ctrl_c_one_line_exit_130(tmp_path):
-    # Ctrl-C once the work has begun (its first line printed), not during `import torch`
-    code, err = ctrl_c_after_first_line("07_capstone_torch.py", "--quick", "--device", "cpu",
-                                        "--data", str(small_text(tmp_path)), "--out",
-                                        str(tmp_path / "out"), tmp_path=tmp_path)
+def start_capstone_torch_ctrl_c(tmp_path, environ):
+    """Ctrl-C once the work has begun (its first line printed), then Ctrl-C a moment after
+    start, while torch is still importing."""
+    later = ctrl_c_after_first_line("07_capstone_torch.py", "--quick", "--device", "cpu",
+                                    "--data", str(small_text(tmp_path)), "--out",
+                                    str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
+    early = interrupt("07_capstone_torch.py", "--quick", "--device", "cpu", after=1.0,
+                      tmp_path=tmp_path, environ=environ)
+    return later, early
+
+
+capstone_torch_ctrl_c = waits_for("capstone_torch_ctrl_c")
+
+
+def test_capstone_torch_ctrl_c_one_line_exit_130(capstone_torch_ctrl_c):
+    (code, err), _ = capstone_torch_ctrl_c
     assert code == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
 
 
-def test_capstone_torch_ctrl_c_while_importing(tmp_path):
+def test_capstone_torch_ctrl_c_while_importing(capstone_torch_ctrl_c):
     # Ctrl-C a moment after start, while torch is still importing: the same one line
-    result = interrupt("07_capstone_torch.py", "--quick", "--device", "cpu", after=2.0,
-                       tmp_path=tmp_path)
+    _, result = capstone_torch_ctrl_c
     assert result.returncode == 130, result.stderr[-2000:]
     assert result.stderr.strip() == "interrupted"
 
 
 # ---------------------------------------------------------------------------------------
-# 07_capstone_jax.py: the waterfall as a subprocess on 4 simulated CPU devices (XLA's flags
-# for a fast compile only act before its backend starts) beside --headline run through
-# main() in this process, and two runs that get Ctrl-C. Every derived number is recomputed.
-
-import contextlib  # noqa: E402 (this section's: main() run in this process)
-import io  # noqa: E402
+# 07_capstone_jax.py: the waterfall on 4 simulated CPU devices, --headline on one, and two
+# runs that get Ctrl-C, all started with the session; the mutations in this process. Every
+# derived number is recomputed.
 
 JAX_CAPSTONE = "07_capstone_jax.py"
 
 
-def start(tmp_path, *args, devices=None):
+def start(tmp_path, *args, devices=None, environ=None, forked=True):
     """Start `--quick --device cpu --tokenizer bytes --json --out *args` without waiting."""
     result = tmp_path / "result.json"
     proc = launch(JAX_CAPSTONE, "--quick", "--device", "cpu", "--tokenizer", "bytes", "--json",
                   str(result), "--out", str(tmp_path / "out"), *args, tmp_path=tmp_path,
-                  devices=devices)[0]
+                  devices=devices, environ=environ, forked=forked)[0]
     return proc, result
+
+
+def start_capstone_jax_waterfall(tmp_path, environ):
+    """The --quick waterfall on 4 simulated devices: (its JSON, its folder, its stdout)."""
+    proc, result = start(tmp_path, "--data", str(small_text(tmp_path)), devices=4,
+                         environ=environ)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    return json.loads(result.read_text()), tmp_path, out
+
+
+def start_capstone_jax_headline(tmp_path, environ):
+    """--quick --headline on one device: (its JSON, its folder, its stdout)."""
+    proc, result = start(tmp_path, "--data", str(small_text(tmp_path)), "--headline",
+                         environ=environ)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    return json.loads(result.read_text()), tmp_path, out
 
 
 @pytest.fixture(scope="module")
@@ -2327,45 +2682,35 @@ def interrupt_after_first_line(proc):
     os.killpg(proc.pid, signal.SIGINT)
 
 
-@pytest.fixture(scope="module")
-def capstone_jax(capstone_jax_lesson, tmp_path_factory):
-    runs = {name: tmp_path_factory.mktemp(name) for name in ("waterfall", "ctrl_c_early",
-                                                             "ctrl_c", "headline")}
-    folder = runs["headline"]
-    text = str(small_text(folder))
-    procs = {"waterfall": start(runs["waterfall"], "--data", text, devices=4),
-             "ctrl_c_early": start(runs["ctrl_c_early"]),  # the Ctrl-C runs read the stdlib
-             "ctrl_c": start(runs["ctrl_c"])}
-    waiter = threading.Thread(target=interrupt_after_first_line, args=(procs["ctrl_c"][0],))
-    waiter.start()
+def start_capstone_jax_ctrl_c(tmp_path, environ):
+    """Two runs on the stdlib's text: Ctrl-C inside the imports, and once the work is under
+    way. {name: (exit code, stderr)}."""
+    procs = {"ctrl_c_early": start(tmp_path / "early", environ=environ, forked=False)[0],
+             "ctrl_c": start(tmp_path / "later", environ=environ)[0]}
     time.sleep(1)
-    os.killpg(procs["ctrl_c_early"][0].pid, signal.SIGINT)  # inside its imports
-    argv = ["--quick", "--device", "cpu", "--tokenizer", "bytes", "--data", text, "--out",
-            str(folder / "out"), "--headline", "--json", str(folder / "result.json")]
-    cwd = os.getcwd()
-    flags = os.environ.get("XLA_FLAGS")
-    os.chdir(folder)  # the token cache goes there
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            capstone_jax_lesson.main(argv)
-    finally:
-        os.chdir(cwd)
-        os.environ.pop("XLA_FLAGS")  # setup adds its flags for this process's backend
-        if flags is not None:
-            os.environ["XLA_FLAGS"] = flags
-    results = dict(headline=(json.loads((folder / "result.json").read_text()), folder, ""))
-    with pytest.MonkeyPatch.context() as patch:  # the mutations, while the waterfall runs
+    os.killpg(procs["ctrl_c_early"].pid, signal.SIGINT)  # inside its imports
+    interrupt_after_first_line(procs["ctrl_c"])
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[name] = (proc.returncode, err)
+    return results
+
+
+capstone_jax_ctrl_c = waits_for("capstone_jax_ctrl_c")
+
+
+@pytest.fixture(scope="module")
+def capstone_jax(capstone_jax_lesson, early):
+    """The mutations, in this process; with them, once it has ended, the waterfall the
+    session started."""
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
         results["forgets_to_divide"] = forgets_to_divide_error(capstone_jax_lesson, patch)
     for hook in ("cross_entropy", "chunk_cross_entropy"):
         with pytest.MonkeyPatch.context() as patch:
             results[hook] = bf16_loss_acts(capstone_jax_lesson, patch, hook)
-    waiter.join(timeout=300)
-    for name, (proc, result) in procs.items():
-        out, err = proc.communicate(timeout=300)
-        results[name] = (proc.returncode, err)
-        if name == "waterfall":
-            assert proc.returncode == 0, (out[-3000:], err[-3000:])
-            results[name] = (json.loads(result.read_text()), runs[name], out)
+    results["waterfall"] = early["capstone_jax"].result()
     return results
 
 
@@ -2531,11 +2876,14 @@ def test_capstone_jax_profile_splits_the_step(capstone_jax):
     assert rungs["+ data-parallel sharding"]["profile"]["communication"] > 0  # the all-reduce
 
 
-def test_capstone_jax_headline(capstone_jax, capstone_jax_lesson):
+capstone_jax_headline = waits_for("capstone_jax_headline")
+
+
+def test_capstone_jax_headline(capstone_jax_headline, capstone_jax_lesson):
     # the first jitted rung and the final rung, the same steps from one init on the same
     # batches: their smoothed loss curves agree; every number recomputed from the losses
     lesson = capstone_jax_lesson
-    out, tmp_path, _ = capstone_jax["headline"]
+    out, tmp_path, _ = capstone_jax_headline
     h = out["headline"]
     base, final = out["rungs"]
     assert [base["name"], final["name"]] == h["rungs"] == ["+ jax.jit (whole step)", lesson.FINAL]
@@ -2647,6 +2995,35 @@ def test_capstone_jax_bad_data_is_refused_without_a_cache(capstone_jax_lesson, t
 
 
 @pytest.mark.parametrize("when", ["ctrl_c_early", "ctrl_c"])
-def test_capstone_jax_ctrl_c_is_one_line_and_exit_130(capstone_jax, when):
-    returncode, err = capstone_jax[when]
+def test_capstone_jax_ctrl_c_is_one_line_and_exit_130(capstone_jax_ctrl_c, when):
+    returncode, err = capstone_jax_ctrl_c[when]
     assert returncode == 130 and err.strip().splitlines() == ["interrupted"], err[-2000:]
+
+
+# ---------------------------------------------------------------------------------------
+# The runs the session starts at once (see `early`), in the order the tests need them: the
+# fixture each one is for, and the function that runs it.
+
+EARLY_RUNS = {  # two queues, each run in its turn: the long runs, and the short ones
+    "long": {
+        "compile_run": start_compile_run,  # its compiles are cold in CI: ~40 s
+        "jax_multi_process": start_jax_multi_process,
+        "jax_three_devices": start_jax_three_devices,
+        "capstone_jax": start_capstone_jax_waterfall,
+    },
+    "short": {
+        "roofline": start_roofline,
+        "hardware": start_hardware,
+        "roofline_ctrl_c": start_roofline_ctrl_c,
+        "hardware_ctrl_c": start_hardware_ctrl_c,
+        "memory_run": start_memory_run,
+        "compile_ctrl_c": start_compile_ctrl_c,
+        "memory_ctrl_c": start_memory_ctrl_c,
+        "jax_own_flags": start_jax_own_flags,
+        "ctrl_c_while_importing": start_ctrl_c_while_importing,
+        "torchrun_ctrl_c": start_torchrun_ctrl_c,
+        "capstone_torch_ctrl_c": start_capstone_torch_ctrl_c,
+        "capstone_jax_ctrl_c": start_capstone_jax_ctrl_c,
+        "capstone_jax_headline": start_capstone_jax_headline,
+    },
+}
