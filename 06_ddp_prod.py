@@ -30,8 +30,9 @@ import sys
 
 
 def interrupted(signum, frame):
-    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
-    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
+    """Ctrl-C during the imports, and all through the JAX half: one line, exit 130. (A
+    KeyboardInterrupt raised there can land in a callback, of Python's import machinery or of
+    JAX's garbage collection, which prints it and goes on.)"""
     print("interrupted", file=sys.stderr, flush=True)
     os._exit(130)
 
@@ -58,9 +59,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model_torch import GPT, GPTConfig
-
-if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 LR = 6e-4
 PARAM_TOL = LR / 6  # fp32, manual attention: rounding; a wrong all-reduce: ~LR a step
@@ -763,7 +761,8 @@ def main():
     warnings.filterwarnings("ignore", message=".*Profiler clears events")  # we read each
     run = run_jax
     if args.framework == "torch":
-        run = run_torch
+        run = run_torch  # Ctrl-C a KeyboardInterrupt from here: the process group ends cleanly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result, speaks = run(args)
     except RuntimeError as error:
