@@ -1278,11 +1278,11 @@ def test_02_flags_what_the_machine_cannot_have_done():
 
 def start_hardware_ctrl_c(tmp_path, environ):
     """While torch imports (the first second), then once the measurements have begun."""
-    early = interrupt("02_hardware.py", "--device", "cpu", "--out", str(tmp_path / "out"),
-                      after=0.5, tmp_path=tmp_path, environ=environ)
-    later = ctrl_c_after_first_line("02_hardware.py", "--device", "cpu", "--out",
-                                    str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
-    return early, later
+    importing = interrupt("02_hardware.py", "--device", "cpu", "--out", str(tmp_path / "out"),
+                          after=0.5, tmp_path=tmp_path, environ=environ)
+    at_work = ctrl_c_after_first_line("02_hardware.py", "--device", "cpu", "--out",
+                                      str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
+    return importing, at_work
 
 
 hardware_ctrl_c = waits_for("hardware_ctrl_c")
@@ -2610,12 +2610,12 @@ def test_capstone_torch_tokenizer_without_network(capstone_torch_module, tmp_pat
 def start_capstone_torch_ctrl_c(tmp_path, environ):
     """Ctrl-C once the work has begun (its first line printed), then Ctrl-C a moment after
     start, while torch is still importing."""
-    later = ctrl_c_after_first_line("07_capstone_torch.py", "--quick", "--device", "cpu",
-                                    "--data", str(small_text(tmp_path)), "--out",
-                                    str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
-    early = interrupt("07_capstone_torch.py", "--quick", "--device", "cpu", after=1.0,
-                      tmp_path=tmp_path, environ=environ)
-    return later, early
+    at_work = ctrl_c_after_first_line("07_capstone_torch.py", "--quick", "--device", "cpu",
+                                      "--data", str(small_text(tmp_path)), "--out",
+                                      str(tmp_path / "out"), tmp_path=tmp_path, environ=environ)
+    importing = interrupt("07_capstone_torch.py", "--quick", "--device", "cpu", after=1.0,
+                          tmp_path=tmp_path, environ=environ)
+    return at_work, importing
 
 
 capstone_torch_ctrl_c = waits_for("capstone_torch_ctrl_c")
