@@ -1,55 +1,47 @@
 """
 03_compile.py - Section 13.3: capture the graph, let a compiler fuse it.
 
-A compiler sees many ops at once: it launches them as one kernel and keeps intermediates
-in registers, not memory. PyTorch and JAX side by side:
-  1. the overhead regime: 48 tiny ops in eager, torch.compile, CUDA graphs
+A compiler that sees many ops at once can launch them as one kernel and keep the
+intermediates in registers instead of memory. What that buys depends on the regime, so
+the file measures one case of each, in PyTorch and in JAX side by side:
+  1. overhead-bound: 48 tiny ops, eager against torch.compile, CUDA graphs
      (mode="reduce-overhead", GPU only) and jax.jit; time and launches per call;
-  2. the bandwidth regime: an unfused chain, fused, against the one-read-one-write floor,
-     and the chain placed on the measured roofline by XLA's count of its FLOPs per byte;
-  3. the compute regime: a big matmul, where compiling gains nothing;
-  4. how capture works: torch.compile reads bytecode (graph breaks, recompiles, dynamic=,
-     compile time), jax.jit traces (make_jaxpr, trace-time side effects, retraces,
-     lower().compile().cost_analysis()).
-Every compiled result is checked against eager (its error printed beside the tolerance);
-a mismatch exits 1. No figure, and no multi-GPU mode: one device shows all of it.
-Run (copy this file alone):
-  python 03_compile.py                        # one GPU when present; otherwise the CPU
-  python 03_compile.py --device cpu --quick   # seconds: what the tests run
-Expect: CUDA graphs several x faster than eager, compile's one kernel faster still; the
-fused chain near the floor on a GPU, well above it on a CPU (compute-bound there); the
-compiled matmul within ~10% of eager, either way. A timing taken while the machine was busy, and all
-derived from it, is marked "unreliable (machine busy)".
+  2. bandwidth-bound: a five-op chain, unfused against fused, against the floor of its
+     bytes counted on paper; its regime from XLA's FLOP count and the measured ridge;
+  3. compute-bound: a big matmul, where compiling does not pay;
+  4. how capture works and where it breaks: torch.compile reads bytecode (graph breaks
+     found with torch._dynamo.explain, recompiles, dynamic=); jax.jit traces (make_jaxpr,
+     side effects at trace time, retraces, lower().compile().cost_analysis()).
+Every compiled result is checked against eager; a mismatch exits non-zero. Timings are
+interleaved (eager, compiled, eager, compiled, ...) and every ratio carries the spread
+of its pairs. When other programs take the CPU, the run says so and marks its numbers.
+
+Run (this file alone; no model file):
+  python 03_compile.py                        # one GPU when present, else the CPU
+  python 03_compile.py --device cpu --quick   # what the tests run
+Expect compiled code several times faster than eager where overhead or bytes bind, and
+no faster on the matmul. On a GPU the fused chain runs near its byte floor; on a CPU it
+sits near the ridge, and there are no CUDA graphs. torch.compile writes C++ (CPU) or
+Triton (GPU) code: seconds per function the first time, less once Inductor's cache has it.
 """
-
-import os
-import signal
-import sys
-
-def interrupted(signum, frame):
-    """Ctrl-C at any moment, even while torch and jax import: one line, exit 130.
-    os._exit: an exception could be swallowed by a callback inside XLA or a compiler."""
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
 
 import argparse
 import ctypes
 import json
 import logging
-import math
+import os
 import statistics
-import tempfile
+import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax: torch needs memory
-os.environ.setdefault("TEARDOWN_CUPTI", "0")  # keep the profiler's CUPTI beside CUDA graphs
-os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # silences the profiler's USDT start/stop lines
+# Before jax and torch start: torch needs GPU memory too (JAX would take 75% of it), the
+# profiler runs after CUDA graphs (keep its CUPTI loaded), and prints no start/stop lines
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("TEARDOWN_CUPTI", "0")
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,109 +50,184 @@ import torch.nn.functional as F  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # 4a prints the graph breaks itself
 
-STEPS = 16    # the tiny chain: STEPS x (sin, mul, add) = 48 ops ...
-TINY = 1024   # ... on 1024 fp32 values
-SHAPES = [8, 16, 8, 32]  # input lengths for the recompile and retrace counts
 
-# The "equals eager" checks: max |compiled - eager| / (1 + max |eager|) within a tolerance.
-# fp32 variants differ only by rounding (their own sin, erf, fused multiply-adds): a few
-# 1e-7 here. 1e-5 still fails bf16 where fp32 was meant (~1e-2), GELU's tanh approximation
-# for the exact erf (~6e-5) and a dropped term of either chain (> 1e-2).
+@dataclass
+class Sizes:
+    tiny_reps: int = 20     # 1: timed samples of the tiny chain, each of ...
+    tiny_calls: int = 10    #    ... this many calls in a row (a sample is their mean)
+    rows: int = 2048        # 2: x and the residual are rows x width fp32: 32 MB each,
+    width: int = 4096       #    beyond a CPU's caches (a GPU row: 1 GB, far past its L2)
+    ridge_n: int = 1024     # 2: the fp32 ridge_n^3 matmul that measures the FLOP roof
+    matmul_n: int = 1024    # 3: the compute regime's n x n by n x n matmul ...
+    matmul_dtype: torch.dtype = torch.float32  # ... in this dtype
+    reps: int = 7           # 2, 3: timed samples of each variant
+
+
+CPU = Sizes()
+# A GPU queues launches: 50 calls a sample, so one synchronisation is not in every call.
+# Its rows follow the card's memory (gpu_sizes): 65536 where 1 GiB tensors fit
+GPU = Sizes(tiny_reps=10, tiny_calls=50, rows=65536, ridge_n=8192, matmul_n=8192,
+            matmul_dtype=torch.bfloat16, reps=10)
+QUICK = Sizes(tiny_reps=5, ridge_n=512, matmul_n=512, reps=3)
+HELD_AT_PEAK = 12  # 2: chain-sized tensors torch's and JAX's allocators hold at the peak
+
+
+def gpu_sizes(memory_bytes):
+    """The GPU row with the chain's tensors at 1 GiB each (far past any L2), or smaller
+    where HELD_AT_PEAK of them would take more than half the card: inputs, a copy target,
+    eager's intermediates and outputs in torch, the same again in JAX."""
+    tensor_bytes = min(2**30, memory_bytes // (2 * HELD_AT_PEAK))
+    rows = tensor_bytes // (GPU.width * 4) // 1024 * 1024
+    return replace(GPU, rows=rows)
+
+
+def choose_sizes(device, quick):
+    """--quick's sizes on any device; else the CPU's, or the GPU's from its memory."""
+    if quick:
+        return QUICK
+    if device == "cpu":
+        return CPU
+    memory = torch.cuda.mem_get_info()[1]
+    sizes = gpu_sizes(memory)
+    held_gib = HELD_AT_PEAK * sizes.rows * sizes.width * 4 / 2**30
+    print(f"derived: chain tensors {sizes.rows} x {sizes.width} fp32, {HELD_AT_PEAK} held at"
+          f" the peak: {held_gib:.1f} of {memory / 2**30:.0f} GiB")
+    return sizes
+
+STEPS = 16    # 1: the tiny chain is STEPS x (sin, mul, add) = 48 ops ...
+TINY = 1024   #    ... on 1024 fp32 values
+SHAPES = [8, 16, 8, 32]  # 4: input lengths for the recompile and retrace counts
+
+# "Equals eager": max |compiled - eager| / (1 + max |eager|) within a tolerance. fp32
+# variants differ only by rounding (their own sin, erf, fused multiply-adds): a few 1e-7.
+# 1e-5 still fails bf16 where fp32 was meant (~1e-2), GELU's tanh approximation for the
+# exact erf (~6e-5) and a dropped term of either chain (> 1e-2).
 FP32_TOL = 1e-5
 # bf16 results round apart by a bf16 step (at most 2^-7 of the largest value, 8e-3), or
 # two where cuBLAS adds split-K partial sums in bf16; a wrong or transposed operand: O(1).
 BF16_TOL = 2e-2
 JAX_DTYPE = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}
 
-# Each compiled variant is timed against its own op-by-op version
-BASELINE = dict(torch_compile="eager", reduce_overhead="eager", jax_jit="jax_eager")
+# Each compiled variant against its own op-by-op version
+COMPILED = dict(torch_compile="eager", reduce_overhead="eager", jax_jit="jax_eager")
 
-BUSY = "unreliable (machine busy)"
-
-@dataclass
-class Sizes:
-    rows: int = 2048        # the bandwidth chain: x and the residual are rows x width fp32,
-    width: int = 4096       #   32 MB each, beyond a CPU's caches (a GPU row: 1 GB, past L2)
-    matmul_n: int = 1024    # the compute regime: an n x n by n x n matmul ...
-    matmul_dtype: torch.dtype = torch.float32  # ... in this dtype
-    ridge_n: int = 1024     # the fp32 n x n matmul that measures the fp32 roof
-    reps: int = 7           # timed samples of each measurement
-    tiny_reps: int = 30     # timed samples of the tiny chain
-    tiny_calls: int = 1     # tiny-chain calls per sample: one, so a busy moment shows
-
-SIZES = {
-    "cpu": Sizes(),
-    # a GPU queues launches: 50 calls a sample, so one sync is not counted in every call
-    "cuda": Sizes(rows=65536, matmul_n=8192, matmul_dtype=torch.bfloat16, ridge_n=8192,
-                  reps=10, tiny_reps=10, tiny_calls=50),
-    "quick": Sizes(matmul_n=256, ridge_n=512, reps=3),
-}
 
 def chain_torch(x):
     for _ in range(STEPS):
         x = torch.sin(x) * 1.1 + 0.1
     return x
 
+
 def chain_jax(x):
     for _ in range(STEPS):
         x = jnp.sin(x) * 1.1 + 0.1
     return x
 
+
 def unfused_torch(x, a, b, c, residual):  # 5 ops: mul, add, gelu, mul, add
     return F.gelu(x * a + b) * c + residual
+
 
 def unfused_jax(x, a, b, c, residual):
     return jax.nn.gelu(x * a + b, approximate=False) * c + residual
 
-# Measuring
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
+# Measuring on a machine that may be busy
 
-def finish(result):
-    """A JAX call returns before its work is done: wait for it."""
-    if isinstance(result, jax.Array):
-        result.block_until_ready()
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
 
-def unreliable(timing, rate=0.0, ceiling=math.inf):
-    """The one rule: samples spread wider than their median, or a rate more than 10%
-    above the ceiling it cannot exceed. Every number derived from such a timing is
-    marked too."""
-    spread = timing["max_s"] - timing["min_s"]
-    return spread > timing["median_s"] or rate > 1.1 * ceiling
 
-def mark(*doubts):
-    """Printed after an unreliable number, and after every number derived from one."""
-    if any(doubts):
-        return " " + BUSY
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). A GPU shared with another program is not seen here."""
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def interleaved(fns, reps):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns."""
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def is_busy(shares):
+    """An experiment was busy when any share of a core sampled around it is below BUSY_SHARE."""
+    return min(shares) < BUSY_SHARE
+
+
+def summary(samples):
+    """Median, min and max of a list of samples (seconds, bytes/s, ...)."""
+    return dict(median=statistics.median(samples), min=min(samples), max=max(samples))
+
+
+def ratio(numerators, denominators):
+    """The median of the per-pair ratios a_i / b_i, with their min and max."""
+    pairs = []
+    for a, b in zip(numerators, denominators):
+        pairs.append(a / b)
+    return dict(median=statistics.median(pairs), min=min(pairs), max=max(pairs))
+
+
+def beyond_noise(r):
+    """A ratio says something only when all its pairs lie on one side of 1."""
+    return r["min"] > 1 or r["max"] < 1
+
+
+def mark(finding, busy):
+    """What follows a printed result: nothing when it is a finding."""
+    if busy:
+        return " (machine busy)"
+    if not finding:
+        return " (within noise)"
     return ""
 
-def timed(fn, device, reps, calls=1, warmup=3):
-    """Warm up, then time `reps` samples of `calls` back-to-back calls; per call: the
-    median, min and max seconds. The device is synchronised before each clock read
-    (GPU work is asynchronous; on one stream, the last call done means all are done)."""
-    for _ in range(warmup):
-        finish(fn())
-    samples = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
+
+def busy_mark(busy):
+    """What follows a printed timing of a busy experiment."""
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
+def timed(fn, calls):
+    """fn called `calls` times, then waited for: a JAX call returns before its work is
+    done, and so does a CUDA launch. On one stream, the last call done means all are."""
+    def call():
         for _ in range(calls - 1):
             fn()
-        finish(fn())
-        sync(device)
-        samples.append((time.perf_counter() - start) / calls)
-    median = statistics.median(samples)
-    timing = dict(median_s=median, min_s=min(samples), max_s=max(samples))
-    timing["unreliable"] = unreliable(timing)
-    return timing
+        out = fn()
+        if isinstance(out, jax.Array):
+            out.block_until_ready()
+        elif out.is_cuda:
+            torch.cuda.synchronize()
+    return call
+
+
+def first_call_s(fn):
+    """Seconds of a compiled function's first call: it captures, compiles, then runs."""
+    start = time.perf_counter()
+    timed(fn, 1)()
+    return time.perf_counter() - start
+
 
 def to_numpy(t):  # a torch tensor on any device, or a JAX array, as float32 numpy
     if isinstance(t, torch.Tensor):
         t = t.float().cpu()
     return np.asarray(t, dtype=np.float32)
+
 
 def max_error(got, want):
     """max |got - want| / (1 + max |want|): relative for large values, absolute near 0."""
@@ -169,41 +236,111 @@ def max_error(got, want):
     worst = np.max(np.abs(got - want))
     return float(worst / (1 + np.max(np.abs(want))))
 
-def measure(section, variants, device, reps, calls=1, tol=FP32_TOL):
-    """Each compiled variant's first call (it compiles: kept out of the timings) and its
-    error against eager; every variant's time per call; each compiled one's speedup."""
-    compiled = [name for name in variants if name in BASELINE]
-    first_call_s = {}
-    for name in compiled:  # one timed call, no warm-up: the compile plus one run
-        first_call_s[name] = timed(variants[name], device, reps=1, warmup=0)["median_s"]
+
+def measure(section, variants, reps, calls=1):
+    """What experiments 1-3 share: each compiled variant's first call (it compiles: kept
+    out of the timings) and its error against its op-by-op version; then every variant
+    timed, interleaved, after a warm-up; each compiled one's speed-up, pair by pair."""
+    first_calls = {}
     errors = {}
-    for name in compiled:
-        baseline = BASELINE[name]
-        check = f"{name}_equals_{baseline}"
-        errors[check] = max_error(variants[name](), variants[baseline]())
+    for name, baseline in COMPILED.items():
+        if name in variants:
+            first_calls[name] = first_call_s(variants[name])
+            errors[f"{section}_{name}_equals_{baseline}"] = max_error(variants[name](),
+                                                                    variants[baseline]())
     # and the two frameworks agree: JAX's compiled result against PyTorch's eager one
-    errors["jax_equals_torch_eager"] = max_error(variants["jax_jit"](), variants["eager"]())
-    checks = {}
-    for check, error in errors.items():
-        checks[f"{section}_{check}"] = error <= tol
+    errors[f"{section}_jax_equals_torch_eager"] = max_error(variants["jax_jit"](),
+                                                            variants["eager"]())
+    fns = []
+    for fn in variants.values():
+        fns.append(timed(fn, calls))
+    for fn in fns:  # warm-up: compiled code loaded, caches and the allocator filled
+        fn()
+    samples = {}
+    for name, seconds in zip(variants, interleaved(fns, reps)):
+        per_call = []
+        for sample in seconds:
+            per_call.append(sample / calls)
+        samples[name] = per_call
     times = {}
-    for name, fn in variants.items():
-        times[name] = timed(fn, device, reps, calls)
+    for name, per_call in samples.items():
+        times[name] = summary(per_call)
     speedup = {}
-    for name in compiled:
-        speedup[name] = times[BASELINE[name]]["median_s"] / times[name]["median_s"]
-    return dict(time=times, compile_first_call_s=first_call_s, speedup_vs_eager=speedup,
-                error=errors, tolerance=tol, checks=checks)
+    for name, baseline in COMPILED.items():
+        if name in variants:
+            speedup[name] = ratio(samples[baseline], samples[name])
+    return dict(first_call_s=first_calls, error=errors, samples_s=samples, time=times,
+                speedup=speedup)
 
-def called_from_aten(event):  # an aten op that another aten op called: not a dispatch
-    if event.cpu_parent is None:
-        return False
-    return event.cpu_parent.name.startswith("aten::")
 
-def launches_per_call(fn, device, calls=10):
-    """torch.profiler's count. GPU: launch API calls (cudaLaunchKernel, cuLaunchKernel*,
-    cudaGraphLaunch) and kernels run. CPU: ops dispatched (top-level aten ops and
-    compiled graphs)."""
+def equal_checks(errors, tol):
+    checks = {}
+    for name, error in errors.items():
+        checks[name] = error <= tol
+    return checks
+
+
+def spread_text(spread, scale, unit):  # "186.6 us [184.8, 288.5]": median [min, max]
+    median = spread["median"] * scale
+    low = spread["min"] * scale
+    high = spread["max"] * scale
+    return f"{median:.2f} {unit} [{low:.2f}, {high:.2f}]"
+
+
+def ratio_text(r):  # "2.97x [2.10, 3.50]": median [min, max] of the per-pair ratios
+    return f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
+
+
+def report_times(r, notes, scale, unit, note_header):
+    """A table: each variant's time per call, then its note."""
+    busy = busy_mark(r["busy"])
+    print(f"  {'variant':16s} {'measured: time per call, median [min, max]':44s} {note_header}")
+    for name, timing in r["time"].items():
+        print(f"  {name:16s} {spread_text(timing, scale, unit):>34s}{'':10s} {notes[name]}{busy}")
+
+
+def report_speedups(r):
+    for name, speedup in r["speedup"].items():
+        finding = beyond_noise(speedup)
+        print(f"  derived: {name} {ratio_text(speedup)} as fast as {COMPILED[name]}"
+              f"{mark(finding, r['busy'])}")
+
+
+def report_checks(r):
+    """`check <name>: ok` or `FAILED`, with the measured error where the check has one."""
+    errors = {}
+    if "error" in r:
+        errors = r["error"]
+    for name, passed in r["checks"].items():
+        verdict = "ok"
+        if not passed:
+            verdict = "FAILED"
+        detail = ""
+        if name in errors:
+            detail = f" (measured: max error {errors[name]:.1e}; tolerance {r['tolerance']:.0e})"
+        print(f"  check {name}: {verdict}{detail}")
+
+
+def report_prediction(held, measured, finding, busy):
+    """`prediction held: ...` or `missed`, marked when the ratios it rests on are noise."""
+    verdict = "missed"
+    if held:
+        verdict = "held"
+    print(f"  prediction {verdict}: {measured}{mark(finding, busy)}")
+
+
+# 1. The overhead regime
+
+OVERHEAD_LEAST = {  # 1's prediction: the least speed-up of each compiled variant
+    "cuda": dict(torch_compile=5.0, reduce_overhead=2.0, jax_jit=10.0),
+    "cpu": dict(torch_compile=2.0, jax_jit=3.0),
+}
+
+
+def dispatches_per_call(fn, device, calls=10):
+    """torch.profiler's count of what one call sends down: the ops Python dispatched (its
+    top-level events: eager's aten ops, or one compiled region) and, on a GPU, the kernel
+    launches (cudaLaunchKernel, cuLaunchKernel*, cudaGraphLaunch) and the kernels run."""
     fn()
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
@@ -211,32 +348,57 @@ def launches_per_call(fn, device, calls=10):
     with profile(activities=activities) as prof:
         for _ in range(calls):
             fn()
-        sync(device)
-    if device == "cuda":
-        launches = 0
-        kernels = 0
-        for event in prof.events():
-            if "LaunchKernel" in event.name or "GraphLaunch" in event.name:
-                launches += 1
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                kernels += 1
-        return dict(launches=launches / calls, gpu_kernels=kernels / calls)
+        if device == "cuda":
+            torch.cuda.synchronize()
     dispatched = 0
+    launches = 0
+    kernels = 0
     for event in prof.events():
-        if "CompiledFxGraph" in event.name:
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+        elif event.cpu_parent is None and not event.name.startswith("cuda"):
             dispatched += 1
-        if event.name.startswith("aten::") and not called_from_aten(event):
-            dispatched += 1
-    return dict(ops_dispatched=dispatched / calls)
+        if "LaunchKernel" in event.name or "GraphLaunch" in event.name:
+            launches += 1
+    counts = dict(dispatched=dispatched / calls)
+    if device == "cuda":
+        counts["launches"] = launches / calls
+        counts["kernels"] = kernels / calls
+    return counts
 
-# 1. The overhead regime
+
+def calls_to_pay_back(first_s, op_by_op_s, compiled_s):
+    """How many calls repay a compile: the first call's extra seconds over a warm call,
+    divided by what each warm call saves against op by op."""
+    return (first_s - compiled_s) / (op_by_op_s - compiled_s)
+
+
+def speedups_held(speedups, least):
+    """Held when every predicted speed-up reaches its least value and is a finding (faster
+    in every pair)."""
+    for name, smallest in least.items():
+        speedup = speedups[name]
+        if speedup["median"] < smallest or speedup["min"] <= 1:
+            return False
+    return True
+
 
 def overhead(sizes, device):
-    """PREDICTION: each of the 48 tiny ops costs a few us of CPU dispatch (a GPU adds
-    a launch) and far less device work: eager ~ 48 x dispatch. torch.compile: one
-    fused kernel plus ~10-30 us of guards and launch. CUDA graphs: one graph launch,
-    several x faster than eager, but an input copy keeps them behind compile's single
-    kernel. jax.jit: one dispatch per call, not 48."""
+    """PREDICTION: each of the 48 ops costs a few us of CPU to dispatch (a GPU adds a
+    kernel launch) and almost no work on 1024 values, so eager ~ 48 dispatches: ~0.2 ms on
+    a CPU, ~0.5 ms on a GPU; JAX dispatches an op alone in tens of us. GPU: torch.compile
+    >= 5x faster than eager (one Triton kernel, one launch, guards of ~20 us), CUDA graphs
+    >= 2x (one graph launch, plus a copy of the input into the graph's memory), jax.jit
+    >= 10x faster than JAX op by op. CPU: no CUDA graphs; torch.compile >= 2x (Inductor
+    writes one C++ loop), jax.jit >= 3x."""
+    least = OVERHEAD_LEAST[device]
+    said = []
+    for name, smallest in least.items():
+        said.append(f"{name} >= {smallest:g}x as fast as {COMPILED[name]}")
+    print(f"  predicted: {', '.join(said)}")
+    if device == "cpu":
+        print("  predicted: no CUDA graphs on a CPU; torch.compile's kernel is Inductor's C++")
+    shares = [cpu_share()]
     x = torch.randn(TINY, device=device)
     x_jax = jnp.asarray(to_numpy(x))
     compiled = torch.compile(chain_torch)
@@ -247,115 +409,266 @@ def overhead(sizes, device):
         variants["reduce_overhead"] = lambda: graphed(x)
     variants["jax_eager"] = lambda: chain_jax(x_jax)
     variants["jax_jit"] = lambda: jitted(x_jax)
-    out = measure("overhead", variants, device, sizes.tiny_reps, sizes.tiny_calls)
-    launches = {}
+    out = measure("overhead", variants, sizes.tiny_reps, sizes.tiny_calls)
+    per_call = {}
     for name in ("eager", "torch_compile", "reduce_overhead"):
         if name in variants:
-            launches[name] = launches_per_call(variants[name], device)  # graphs warm by now
-    eager_ops = jax.make_jaxpr(chain_jax)(x_jax).eqns  # one equation per op
-    jit_ops = jax.make_jaxpr(jitted)(x_jax).eqns  # one: the call of the compiled chain
-    out["launches_per_call"] = launches
-    out["jax_ops_per_call"] = dict(jax_eager=len(eager_ops), jax_jit=len(jit_ops))
-    out["n_ops"] = 3 * STEPS
-    out["numel"] = TINY
+            per_call[name] = dispatches_per_call(variants[name], device)
+    per_call["jax_eager"] = dict(jaxpr_equations=len(jax.make_jaxpr(chain_jax)(x_jax).eqns))
+    per_call["jax_jit"] = dict(jaxpr_equations=len(jax.make_jaxpr(jitted)(x_jax).eqns))
+    shares.append(cpu_share())
+    pays_back = {}
+    for name, speedup in out["speedup"].items():
+        pays_back[name] = None
+        if speedup["min"] > 1:  # faster in every pair
+            op_by_op_s = out["time"][COMPILED[name]]["median"]
+            compiled_s = out["time"][name]["median"]
+            pays_back[name] = calls_to_pay_back(out["first_call_s"][name], op_by_op_s, compiled_s)
+    out.update(n_ops=3 * STEPS, per_call=per_call, pays_back_after_calls=pays_back,
+               predicted_least=least, cpu_shares=shares, busy=is_busy(shares),
+               checks=equal_checks(out["error"], FP32_TOL), tolerance=FP32_TOL)
+    out["prediction_held"] = speedups_held(out["speedup"], least)
     return out
+
+
+def report_overhead(r):
+    notes = {}
+    for name, counts in r["per_call"].items():
+        parts = []
+        for what, count in counts.items():
+            parts.append(f"{count:g} {what}")
+        notes[name] = ", ".join(parts)
+    report_times(r, notes, 1e6, "us", "measured: per call")
+    print("  (dispatched: calls Python made into torch, a compiled one's guard check"
+          " included; launches, kernels: CUDA's; jaxpr_equations: ops JAX dispatches)")
+    if "reduce_overhead" not in r["time"]:
+        print("  CUDA graphs (mode='reduce-overhead') need a GPU: not run here")
+    print("  (a speed-up is the median of per-pair ratios op-by-op / compiled, [min, max])")
+    report_speedups(r)
+    busy = busy_mark(r["busy"])
+    for name, seconds in r["first_call_s"].items():
+        calls = r["pays_back_after_calls"][name]
+        repaid = "derived: no repayment count: not faster in every pair"
+        if calls is not None:
+            repaid = f"derived: repays its compile after {calls:,.0f} calls"
+        print(f"  measured: {name}'s first call {seconds:.2f} s (it compiles); {repaid}{busy}")
+    report_checks(r)
+    measured = []
+    finding = True
+    for name in r["predicted_least"]:
+        measured.append(f"{name} {r['speedup'][name]['median']:.2f}x")
+        if not beyond_noise(r["speedup"][name]):
+            finding = False
+    report_prediction(r["prediction_held"], ", ".join(measured), finding, r["busy"])
+
 
 # 2. The bandwidth regime
 
-def roofs(sizes, device):
-    """One timing of each roof the chain can meet: a copy of a chain-sized fp32 tensor
-    (bytes/s) and an fp32 ridge_n^3 matmul (FLOP/s; PyTorch keeps TF32 off for it)."""
-    source = torch.randn(sizes.rows, sizes.width, device=device)
-    target = torch.empty_like(source)
-    square = torch.randn(sizes.ridge_n, sizes.ridge_n, device=device)
-    copy = timed(lambda: target.copy_(source), device, sizes.reps)
-    matmul = timed(lambda: square @ square, device, sizes.reps)
-    return dict(copy=copy, fp32_matmul=matmul)
+BANDWIDTH_PREDICTED = {  # 2's prediction: torch.compile's least speed-up over eager, and
+    "cuda": dict(speedup=3.0, most_x_bound=1.5),  # the most times its roofline bound
+    "cpu": dict(speedup=1.3, most_x_bound=3.0),
+}
 
-def fastest(runs):  # a roof is the best this machine did: the run with the fastest sample
-    return min(runs, key=lambda timing: timing["min_s"])
+
+def chain_bytes(rows, width):
+    """The chain's bytes counted on paper (fp32: 4 B a value; x and the residual are
+    rows x width = N values, a, b and c width-long vectors). Eager runs one op at a time:
+    each reads its inputs from memory and writes its output there. Fused code reads x,
+    a, b, c and the residual once and writes the result once."""
+    n = rows * width
+    eager_values = [
+        n + width + n,  # t1 = x * a: read x and a, write t1
+        n + width + n,  # t2 = t1 + b
+        n + n,          # t3 = gelu(t2)
+        n + width + n,  # t4 = t3 * c
+        n + n + n,      # t4 + residual: read both, write the result
+    ]
+    fused_values = n + n + 3 * width + n  # read x, the residual, a, b, c; write the result
+    return dict(eager=4 * sum(eager_values), fused=4 * fused_values)
+
+
+def on_roofline(samples, n, ridge_n, bytes_fused, xla_flops, xla_bytes):
+    """The chain against the roofs measured beside it, round by round (sample i of every
+    variant came from the same round): the copy bandwidth (a copy reads and writes N fp32
+    values), the matmul's FLOP/s (2 ridge_n^3), their ratio the ridge, the floor (the
+    fused bytes at the copy bandwidth), the bound (the slower of the floor and the
+    chain's FLOPs at the matmul's rate)."""
+    copy_bandwidth = []
+    matmul_flops = []
+    floor_s = []
+    bound_s = []
+    for copy_s, matmul_s in zip(samples["copy"], samples["fp32_matmul"]):
+        bandwidth_Bps = 2 * n * 4 / copy_s
+        flops_per_s = 2 * ridge_n**3 / matmul_s
+        floor = bytes_fused / bandwidth_Bps
+        copy_bandwidth.append(bandwidth_Bps)
+        matmul_flops.append(flops_per_s)
+        floor_s.append(floor)
+        bound_s.append(max(floor, xla_flops / flops_per_s))
+    intensity = xla_flops / xla_bytes
+    ridge = ratio(matmul_flops, copy_bandwidth)
+    regime = "bandwidth-bound"
+    if intensity > ridge["median"]:
+        regime = "compute-bound"
+    x_bound = {}
+    for name in ("eager", "torch_compile", "jax_eager", "jax_jit"):
+        x_bound[name] = ratio(samples[name], bound_s)
+    return dict(copy_bandwidth_Bps=summary(copy_bandwidth),
+                fp32_matmul_flops=summary(matmul_flops),
+                ridge_flop_per_byte=ridge,
+                floor_s=summary(floor_s),
+                bound_s=summary(bound_s),
+                intensity_flop_per_byte=intensity,
+                regime=regime,
+                regime_is_finding=intensity > ridge["max"] or intensity < ridge["min"],
+                x_bound=x_bound)
+
+
+def keep_freed_memory():
+    """Linux's C library (glibc) maps a large block fresh from the system and hands it
+    back when it is freed (from 32 MB up, and smaller ones depending on what it has seen),
+    so the next tensor that size pays a page fault on each of its 4 KB pages while the
+    system zeroes them: a fresh 32 MB tensor then costs several times its bytes. A GPU's
+    caching allocator keeps freed blocks; here glibc is asked to do the same, so the chain
+    is timed on its bytes, not on page faults. Returns whether it applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):  # not glibc
+        return False
+    libc.mallopt(-4, 0)  # M_MMAP_MAX = 0: large blocks from the heap, not fresh mappings
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD = 1 GB: keep freed memory up to that
+    return True
+
+
+def bandwidth_held(speedup, x_bound, predicted):
+    """Held when torch.compile is at least the predicted times faster than eager, faster in
+    every pair, and its median at most the predicted times its roofline bound."""
+    if speedup["median"] < predicted["speedup"] or speedup["min"] <= 1:
+        return False
+    return x_bound["median"] <= predicted["most_x_bound"]
+
 
 def bandwidth(sizes, device):
-    """PREDICTION: every eager op reads its inputs from memory and writes its output:
-    mul 2N + add 2N + gelu 2N + mul 2N + add 3N = 11 N values. Fused code reads x and
-    the residual once and writes once: 3 N, the floor. So eager ~ 11/3 = 3.7x slower
-    than fused, and fused time ~ 3 N x 4 B / copy bandwidth - IF the chain is
-    bandwidth-bound. XLA counts ~5.7 FLOP per byte for it (the exact erf is a long
-    polynomial): below a GPU's fp32 ridge (tens of FLOP/B: fused near the floor),
-    above a CPU's (a few FLOP/B: compute-bound, several x above the floor)."""
+    """PREDICTION: on paper (chain_bytes) eager moves 11 N fp32 values, fused code 3 N: if
+    the chain is bandwidth-bound, fused is ~11/3 = 3.7x faster than eager and runs at the
+    floor, the fused bytes at the copy bandwidth. XLA counts ~5.7 FLOP per byte for it
+    (the exact erf is a polynomial). GPU: the fp32 ridge is well above that (datasheets:
+    H100 SXM 67 TFLOP/s over 3.35 TB/s = 20 FLOP/B, RTX 4090 82.6 over 1.01 = 82), so the
+    chain is bandwidth-bound: torch.compile >= 3x faster than eager and within 1.5x of its
+    bound, the floor. CPU: a core's ridge is a few FLOP/B, so the chain sits near it, on
+    either side: torch.compile >= 1.3x faster than eager (one pass instead of five, in
+    Inductor's C++), within 3x of the roofline bound."""
+    predicted = BANDWIDTH_PREDICTED[device]
+    print(f"  predicted: torch_compile >= {predicted['speedup']:g}x as fast as eager, at"
+          f" most {predicted['most_x_bound']:g}x its roofline bound")
+    if device == "cpu":
+        print("  predicted: the chain near a CPU's ridge (either regime); Inductor's C++ fuses it")
+    shares = [cpu_share()]
+    if device == "cpu" and keep_freed_memory():
+        print("  CPU: freed memory kept from here on, as a GPU's caching allocator keeps it")
     x = torch.randn(sizes.rows, sizes.width, device=device)
     residual = torch.randn(sizes.rows, sizes.width, device=device)
     a = torch.randn(sizes.width, device=device)
     b = torch.randn(sizes.width, device=device)
     c = torch.randn(sizes.width, device=device)
     inputs = [x, a, b, c, residual]
-    inputs_jax = [jnp.asarray(to_numpy(t)) for t in inputs]
+    inputs_jax = []
+    for t in inputs:
+        inputs_jax.append(jnp.asarray(to_numpy(t)))
+    target = torch.empty_like(x)
+    square = torch.randn(sizes.ridge_n, sizes.ridge_n, device=device)
     compiled = torch.compile(unfused_torch)
     jitted = jax.jit(unfused_jax)
     variants = dict(eager=lambda: unfused_torch(*inputs),
                     torch_compile=lambda: compiled(*inputs),
                     jax_eager=lambda: unfused_jax(*inputs_jax),
-                    jax_jit=lambda: jitted(*inputs_jax))
-    before = roofs(sizes, device)
-    out = measure("bandwidth", variants, device, sizes.reps)
-    after = roofs(sizes, device)  # the roofs again: the better of the two is kept
-    cost = jitted.lower(*inputs_jax).compile().cost_analysis()  # XLA's count of the chain
-    out["rows"] = sizes.rows
-    out["d"] = sizes.width
-    out["roof_times"] = dict(copy=[before["copy"], after["copy"]],
-                             fp32_matmul=[before["fp32_matmul"], after["fp32_matmul"]])
-    out.update(on_roofline(out["time"], out["roof_times"], cost, sizes))
+                    jax_jit=lambda: jitted(*inputs_jax),
+                    copy=lambda: target.copy_(x),  # the bandwidth roof, measured beside
+                    fp32_matmul=lambda: square @ square)  # the FLOP roof (TF32 stays off)
+    out = measure("bandwidth", variants, sizes.reps)
+    cost = jitted.lower(*inputs_jax).compile().cost_analysis()  # XLA's count (see 4b)
+    shares.append(cpu_share())
+    paper = chain_bytes(sizes.rows, sizes.width)
+    out.update(rows=sizes.rows, width=sizes.width, ridge_n=sizes.ridge_n,
+               bytes_eager=paper["eager"], bytes_fused=paper["fused"],
+               xla_flops=cost["flops"], xla_bytes=cost["bytes accessed"])
+    out.update(on_roofline(out["samples_s"], sizes.rows * sizes.width, sizes.ridge_n,
+                           paper["fused"], cost["flops"], cost["bytes accessed"]))
+    out.update(cpu_shares=shares, busy=is_busy(shares), predicted=predicted,
+               checks=equal_checks(out["error"], FP32_TOL), tolerance=FP32_TOL)
+    out["prediction_held"] = bandwidth_held(out["speedup"]["torch_compile"],
+                                            out["x_bound"]["torch_compile"], predicted)
     return out
 
-def on_roofline(times, roof_times, cost, sizes):
-    """The chain against this machine's roofs: bytes, floor, ridge, regime, bound."""
-    n = sizes.rows * sizes.width
-    copy = fastest(roof_times["copy"])
-    matmul = fastest(roof_times["fp32_matmul"])
-    bytes_floor = 3 * n * 4
-    copy_bandwidth = 2 * n * 4 / copy["min_s"]  # a copy reads and writes N fp32 values
-    peak = 2 * sizes.ridge_n**3 / matmul["min_s"]
-    floor_s = bytes_floor / copy_bandwidth
-    ridge = peak / copy_bandwidth
-    intensity = cost["flops"] / cost["bytes accessed"]
-    regime = "bandwidth-bound"
-    if intensity > ridge:
-        regime = "compute-bound"
-    vs_floor = {}
-    for name, timing in times.items():
-        vs_floor[name] = timing["median_s"] / floor_s
-    # A fused chain faster than a roof allows means the roof was measured while busy
-    fused_s = min(times["torch_compile"]["median_s"], times["jax_jit"]["median_s"])
-    doubts = [unreliable(copy, bytes_floor / fused_s, copy_bandwidth),
-              unreliable(matmul, cost["flops"] / fused_s, peak)]
-    return dict(bytes_eager=11 * n * 4,
-                bytes_floor=bytes_floor,
-                copy_best_s=copy["min_s"],
-                copy_bandwidth_Bps=copy_bandwidth,
-                fp32_matmul_best_s=matmul["min_s"],
-                fp32_peak_flops=peak,
-                floor_s=floor_s,
-                ridge_flop_per_byte=ridge,
-                unreliable=any(doubts),  # the roofs, and all derived from them
-                vs_floor=vs_floor,
-                xla_flops=cost["flops"],
-                xla_bytes=cost["bytes accessed"],
-                intensity_flop_per_byte=intensity,
-                regime=regime,
-                roofline_bound_s=max(floor_s, cost["flops"] / peak))  # the slower roof
+
+def report_bandwidth(r):
+    busy = busy_mark(r["busy"])
+    n = r["rows"] * r["width"]
+    eager_mb = r["bytes_eager"] / 1e6
+    fused_mb = r["bytes_fused"] / 1e6
+    print(f"  derived: bytes on paper, N = {n:,} and d = {r['width']}: eager {eager_mb:.1f} MB"
+          f" (11 N + 3 d values of 4 B), fused {fused_mb:.1f} MB (3 N + 3 d)")
+    notes = {}
+    for name, x_bound in r["x_bound"].items():
+        notes[name] = f"{ratio_text(x_bound)}{mark(beyond_noise(x_bound), False)}"
+    notes["copy"] = "the bandwidth roof: reads and writes N values"
+    notes["fp32_matmul"] = f"the FLOP roof: {r['ridge_n']}^3, fp32"
+    report_times(r, notes, 1e3, "ms", "derived: x the roofline bound, median [min, max]")
+    print("  (each derived number below: median [min, max] over the rounds)")
+    bandwidth = spread_text(r["copy_bandwidth_Bps"], 1e-9, "GB/s")
+    print(f"  derived: copy bandwidth {bandwidth}{busy}")
+    flops = spread_text(r["fp32_matmul_flops"], 1e-9, "GFLOP/s")
+    print(f"  derived: fp32 matmul {flops}{busy}")
+    ridge = r["ridge_flop_per_byte"]
+    print(f"  derived: ridge {spread_text(ridge, 1, 'FLOP/B')}{busy}")
+    floor = spread_text(r["floor_s"], 1e3, "ms")
+    print(f"  derived: floor {floor}: the fused bytes at the copy bandwidth{busy}")
+    bound = spread_text(r["bound_s"], 1e3, "ms")
+    print(f"  derived: roofline bound {bound}: the slower of the floor and the chain's FLOPs"
+          f" at the matmul's rate{busy}")
+    print(f"  derived: XLA's cost analysis of the jitted chain: {r['xla_flops']:.3g} FLOPs,"
+          f" {r['xla_bytes']:.4g} B: {r['intensity_flop_per_byte']:.2f} FLOP/B")
+    print(f"  derived: the fused chain is {r['regime']} here: {r['intensity_flop_per_byte']:.2f}"
+          f" FLOP/B against the ridge's {ridge['median']:.1f}"
+          f"{mark(r['regime_is_finding'], r['busy'])}")
+    report_speedups(r)
+    report_checks(r)
+    speedup = r["speedup"]["torch_compile"]["median"]
+    x_bound = r["x_bound"]["torch_compile"]["median"]
+    measured = f"torch_compile {speedup:.2f}x as fast as eager, {x_bound:.2f}x its roofline bound"
+    finding = beyond_noise(r["speedup"]["torch_compile"])
+    report_prediction(r["prediction_held"], measured, finding, r["busy"])
+
 
 # 3. The compute regime
 
+COMPUTE_MOST = 1.1  # 3's prediction: compiling a lone matmul speeds it up at most this much
+
+
+def compute_held(speedups):
+    """Held when no compiled variant's median speed-up is above COMPUTE_MOST."""
+    for speedup in speedups.values():
+        if speedup["median"] > COMPUTE_MOST:
+            return False
+    return True
+
+
 def compute(sizes, device):
-    """PREDICTION: intensity 2n^3 / (3 n^2 x bytes) FLOP/byte, far above the ridge:
-    the time is the tensor-core (CPU: SIMD) math inside one GEMM. Eager and compiled
-    code call the same library kernel (cuBLAS / MKL / XLA's dot), so compiling changes
-    the time by a few % at most: there is no chain to fuse, and one launch costs
-    microseconds against milliseconds of math."""
+    """PREDICTION: a matmul does 2 n^3 FLOPs on 3 n^2 values: 2n / (3 x bytes a value)
+    FLOP per byte (GPU: 8192 in bf16, 2731; CPU: 1024 in fp32, 171), far above the ridge,
+    so its time is arithmetic (a GPU's tensor cores, a CPU's SIMD multiply-adds) and its
+    bytes at the copy bandwidth take a small part of it. Eager and compiled code call the
+    same library GEMM (cuBLAS, oneDNN or MKL, XLA's dot) and there is nothing to fuse: on
+    any device, compiling speeds it up 1.1x at most, and its wrapper may cost a little."""
+    print(f"  predicted: torch_compile and jax_jit at most {COMPUTE_MOST:g}x as fast as op by op;"
+          " the matmul far slower than its bytes at the copy's bandwidth")
+    shares = [cpu_share()]
     n = sizes.matmul_n
     dtype = sizes.matmul_dtype
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
+    target = torch.empty_like(a)
     a_jax = jnp.asarray(to_numpy(a), dtype=JAX_DTYPE[dtype])
     b_jax = jnp.asarray(to_numpy(b), dtype=JAX_DTYPE[dtype])
     compiled = torch.compile(torch.matmul)
@@ -363,22 +676,56 @@ def compute(sizes, device):
     variants = dict(eager=lambda: a @ b,
                     torch_compile=lambda: compiled(a, b),
                     jax_eager=lambda: jnp.matmul(a_jax, b_jax),
-                    jax_jit=lambda: jitted(a_jax, b_jax))
+                    jax_jit=lambda: jitted(a_jax, b_jax),
+                    copy=lambda: target.copy_(a))  # reads and writes n^2 values
+    out = measure("matmul", variants, sizes.reps)
+    shares.append(cpu_share())
+    bytes_s = []  # the matmul's 3 n^2 values at the copy's bandwidth, round by round
+    for copy_s in out["samples_s"]["copy"]:
+        bytes_s.append(copy_s * 3 / 2)
+    x_bytes = ratio(out["samples_s"]["eager"], bytes_s)
+    flops_per_s = {}
+    for name in ("eager", "torch_compile", "jax_eager", "jax_jit"):
+        flops_per_s[name] = 2 * n**3 / out["time"][name]["median"]
+    regime = "bandwidth-bound"
+    if x_bytes["median"] > 1:
+        regime = "compute-bound"
     tol = FP32_TOL
     if dtype == torch.bfloat16:
         tol = BF16_TOL
-    out = measure("matmul", variants, device, sizes.reps, tol=tol)
-    flops_per_s = {}
-    for name, timing in out["time"].items():
-        flops_per_s[name] = 2 * n**3 / timing["median_s"]
     out.update(n=n, dtype=str(dtype), flops_per_s=flops_per_s,
-               intensity_flop_per_byte=2 * n / (3 * a.element_size()))
+               intensity_flop_per_byte=2 * n / (3 * a.element_size()),
+               eager_x_bytes_time=x_bytes, regime=regime, cpu_shares=shares,
+               busy=is_busy(shares), checks=equal_checks(out["error"], tol), tolerance=tol)
+    out["prediction_held"] = compute_held(out["speedup"])
     return out
 
-# 4. How capture works, and where it breaks
+
+def report_compute(r):
+    notes = {"copy": f"{r['n']}^2 values read and written: the bandwidth beside"}
+    for name, rate in r["flops_per_s"].items():
+        notes[name] = f"{rate / 1e12:.3g} TFLOP/s"
+    report_times(r, notes, 1e3, "ms", "derived: FLOP/s at the median")
+    x_bytes = r["eager_x_bytes_time"]
+    print(f"  derived: intensity {r['intensity_flop_per_byte']:.0f} FLOP/B; eager takes"
+          f" {ratio_text(x_bytes)} the time of its 3 n^2 values at the copy's bandwidth:"
+          f" {r['regime']}{mark(beyond_noise(x_bytes), r['busy'])}")
+    report_speedups(r)
+    report_checks(r)
+    measured = []
+    finding = True
+    for name, speedup in r["speedup"].items():
+        measured.append(f"{name} {speedup['median']:.2f}x")
+        if not beyond_noise(speedup):
+            finding = False
+    report_prediction(r["prediction_held"], ", ".join(measured), finding, r["busy"])
+
+
+# 4a. torch.compile captures bytecode: graph breaks and recompiles
 
 def clean(x):
     return torch.sin(x) * 2 + 1
+
 
 def dirty(x):
     y = torch.sin(x)
@@ -386,16 +733,18 @@ def dirty(x):
     scale = y.abs().max().item()  # a Python float leaves the graph: break
     return y / scale * 2 + 1
 
+
 GRAPHS = []  # what torch.compile handed its backend, one graph per (re)compile
-TRACES = []  # what jax.jit traced, one entry per trace
+
 
 def counting_backend(graph_module, example_inputs):  # Dynamo calls it once per compile
     GRAPHS.append(graph_module)
-    return graph_module.forward
+    return graph_module.forward  # run the captured graph as it is: nothing to build
+
 
 def compiles_after_each(dynamic, device):
     """Graphs compiled so far after each call of clean() on SHAPES, with this dynamic=."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     GRAPHS.clear()
     compiled = torch.compile(clean, backend=counting_backend, dynamic=dynamic)
     after = []
@@ -404,40 +753,73 @@ def compiles_after_each(dynamic, device):
         after.append(len(GRAPHS))
     return after
 
+
+TORCH_CAPTURE_PREDICTED = dict(  # 4a's prediction: the counts, on any device
+    clean=dict(graph_count=1, graph_break_count=0),
+    dirty=dict(graph_count=3, graph_break_count=2),
+    compiles_for_shapes={"dynamic=False": [1, 2, 2, 3],
+                         "dynamic=None": [1, 2, 2, 2],
+                         "dynamic=True": [1, 1, 1, 1]},
+)
+
+
 def capture_torch(device):
-    """PREDICTION: explain() finds 0 breaks in clean() and 2 in dirty() (print,
-    .item()). New shapes: dynamic=False compiles once per shape (8, 16, 32: 3 graphs);
-    the default compiles 8 statically, then on 16 recompiles with a symbolic size that
-    32 reuses (2); dynamic=True compiles one symbolic graph (1). A repeated shape
-    never recompiles."""
-    torch._logging.set_logs(dynamo=logging.ERROR)  # the break reasons are printed below
+    """PREDICTION (any device): explain() finds 1 graph and 0 breaks in clean(), 3 graphs
+    and 2 breaks in dirty() (the print, the .item()). After shapes 8, 16, 8, 32:
+    dynamic=False compiles once per new shape ([1, 2, 2, 3] graphs so far); the default
+    (None) compiles 8 static, then recompiles on 16 with a symbolic size that 32 reuses
+    ([1, 2, 2, 2]); dynamic=True compiles one symbolic graph ([1, 1, 1, 1]). A repeated
+    shape never recompiles."""
+    print("  predicted: clean() 1 graph, 0 breaks; dirty() 3 graphs, 2 breaks; graphs after"
+          " each shape: dynamic=False [1, 2, 2, 3], None [1, 2, 2, 2], True [1, 1, 1, 1]")
     x = torch.randn(8, device=device)
-    out = {}
+    found = {}
+    reasons = {}
     for fn in (clean, dirty):
-        found = torch._dynamo.explain(fn)(x)
-        reasons = []
-        for broken in found.break_reasons:
-            reasons.append(str(broken.reason).splitlines()[0][:90])  # its first line
-        out[fn.__name__] = dict(graph_count=found.graph_count,
-                                graph_break_count=found.graph_break_count,
-                                break_reasons=reasons)
-    compiles = dict(shapes=SHAPES)
+        explained = torch._dynamo.explain(fn)(x)
+        found[fn.__name__] = dict(graph_count=explained.graph_count,
+                                  graph_break_count=explained.graph_break_count)
+        reasons[fn.__name__] = []
+        for broken in explained.break_reasons:
+            reasons[fn.__name__].append(str(broken.reason).splitlines()[0][:90])  # first line
+    compiles = {}
     for dynamic in (False, None, True):
         compiles[f"dynamic={dynamic}"] = compiles_after_each(dynamic, device)
-    out["compiles_for_shapes"] = compiles
-    counts = []
-    for dynamic in ("dynamic=False", "dynamic=None", "dynamic=True"):
-        counts.append(compiles[dynamic])
-    out["checks"] = dict(
-        graph_breaks_found_in_dirty=out["dirty"]["graph_break_count"] > 0,
-        no_graph_breaks_in_clean=out["clean"]["graph_break_count"] == 0,
-        repeated_shape_does_not_recompile=all(after[2] == after[1] for after in counts),
-        dynamic_true_compiles_once=compiles["dynamic=True"][-1] == 1)
-    return out
+    found["compiles_for_shapes"] = compiles
+    repeated = True  # the third shape repeats the first
+    for after in compiles.values():
+        if after[2] != after[1]:
+            repeated = False
+    checks = dict(graph_breaks_found_in_dirty=found["dirty"]["graph_break_count"] > 0,
+                  no_graph_breaks_in_clean=found["clean"]["graph_break_count"] == 0,
+                  repeated_shape_does_not_recompile=repeated,
+                  dynamic_true_compiles_once=compiles["dynamic=True"][-1] == 1)
+    return dict(found, shapes=SHAPES, break_reasons=reasons, checks=checks,
+                cpu_shares=[], busy=False,  # nothing timed here: counts only
+                prediction_held=found == TORCH_CAPTURE_PREDICTED)
+
+
+def report_capture_torch(r):
+    for name in ("clean", "dirty"):
+        graphs = r[name]["graph_count"]
+        breaks = r[name]["graph_break_count"]
+        print(f"  measured: {name}(): {graphs} graph(s), {breaks} graph break(s)"
+              f" {r['break_reasons'][name]}")
+    for dynamic, after in r["compiles_for_shapes"].items():
+        print(f"  measured: {dynamic:13s}: graphs compiled after shapes {r['shapes']}: {after}")
+    report_checks(r)
+    report_prediction(r["prediction_held"], "the counts above", True, False)
+
+
+# 4b. jax.jit traces: jaxpr, side effects at trace time, retraces, compiling ahead of time
+
+TRACES = []  # what jax.jit traced, one entry per trace
+
 
 def counted(x):
     TRACES.append(x.shape)  # a Python side effect: runs while tracing, not when the code runs
     return jnp.sin(x) * 2 + 1
+
 
 def power(x, k):  # a Python loop over k: k must be a concrete Python int
     TRACES.append(k)
@@ -445,28 +827,38 @@ def power(x, k):  # a Python loop over k: k must be a concrete Python int
         x = x * x
     return x
 
+
 def traces_after_each(jitted, calls):
     """Traces so far after each call of a jitted function, on these lists of arguments."""
     TRACES.clear()
     after = []
     for args in calls:
-        finish(jitted(*args))
+        jitted(*args).block_until_ready()
         after.append(len(TRACES))
     return after
 
+
 def capture_jax(sizes):
-    """PREDICTION: jax.jit runs the Python function once per new input shape/dtype,
-    with abstract tracers, so a Python counter inside counts traces: 1, 2, 2, 3 for
-    shapes 8, 16, 8, 32. A static argument is part of the cache key: k = 2, 3, 2 -> 1,
-    2, 2 traces. XLA's cost model sees the fused chain read and write once: bytes
-    accessed ~ the 3 N x 4 B floor."""
+    """PREDICTION (any device): jax.jit runs the Python function once per new input shape,
+    on abstract tracers, so a Python counter inside counts traces: [1, 2, 2, 3] after
+    shapes 8, 16, 8, 32. A static argument is part of the cache key: k = 2, 3, 2 gives
+    [1, 2, 2]; without static_argnums, range(k) over a tracer raises
+    TracerIntegerConversionError. XLA's cost analysis sees the fused chain read its inputs
+    and write its result once: bytes accessed within 10% of the 3 N x 4 B floor."""
+    print("  predicted: traces [1, 2, 2, 3] for shapes, [1, 2, 2] for k = 2, 3, 2;"
+          " XLA's bytes within 10% of the floor")
+    shares = [cpu_share()]
     small = jnp.ones((2, 4))
     vector = jnp.ones(4)
     jaxpr = jax.make_jaxpr(unfused_jax)(small, vector, vector, vector, small)
-    out = dict(jaxpr=str(jaxpr))
-    shape_calls = [[jnp.ones(n)] for n in SHAPES]
+    out = dict(jaxpr=jaxpr.pretty_print(use_color=False))  # no terminal colour codes
+    shape_calls = []
+    for n in SHAPES:
+        shape_calls.append([jnp.ones(n)])
     after_shapes = traces_after_each(jax.jit(counted), shape_calls)
-    static_calls = [[jnp.ones(4), k] for k in (2, 3, 2)]
+    static_calls = []
+    for k in (2, 3, 2):
+        static_calls.append([jnp.ones(4), k])
     after_static = traces_after_each(jax.jit(power, static_argnums=1), static_calls)
     out["traces_for_shapes"] = dict(shapes=SHAPES, traces_after_each=after_shapes)
     out["traces_for_static_args"] = dict(k=[2, 3, 2], traces_after_each=after_static)
@@ -480,215 +872,148 @@ def capture_jax(sizes):
     vec = jax.ShapeDtypeStruct((sizes.width,), jnp.float32)
     fresh = jax.jit(lambda *xs: unfused_jax(*xs))  # a new function: no cache has seen it
     start = time.perf_counter()
-    lowered = fresh.lower(big, vec, vec, vec, big)  # traced to StableHLO
+    lowered = fresh.lower(big, vec, vec, vec, big)  # traced to StableHLO, no data needed
     lowered_at = time.perf_counter()
     cost = lowered.compile().cost_analysis()  # XLA compiles it, then counts FLOPs and bytes
     compiled_at = time.perf_counter()
+    shares.append(cpu_share())
+    floor = chain_bytes(sizes.rows, sizes.width)["fused"]
     out["aot"] = dict(lower_s=lowered_at - start,
                       compile_s=compiled_at - lowered_at,
                       flops=cost["flops"],
                       bytes_accessed=cost["bytes accessed"],
-                      bytes_floor=3 * sizes.rows * sizes.width * 4)
+                      bytes_floor=floor)
+    near_floor = abs(cost["bytes accessed"] / floor - 1) < 0.1
+    raised = out["nonstatic_loop_bound_error"] is not None
+    out.update(cpu_shares=shares, busy=is_busy(shares))
+    out["prediction_held"] = all([after_shapes == [1, 2, 2, 3], after_static == [1, 2, 2],
+                                  raised, near_floor])
     out["checks"] = dict(jax_one_trace_per_new_shape=after_shapes == [1, 2, 2, 3],
                          jax_retrace_per_new_static_arg=after_static == [1, 2, 2])
     return out
 
-# Reporting: one plain place, a line per fact
-
-def span(timing, scale, unit):  # median [min-max], measured
-    median = timing["median_s"] * scale
-    low = timing["min_s"] * scale
-    high = timing["max_s"] * scale
-    doubt = mark(timing["unreliable"])
-    return f"{median:9.2f} {unit} [{low:.2f}-{high:.2f}] measured{doubt}"
-
-def report_times(r, notes, scale=1e3, unit="ms"):
-    """A line per variant (its time, then its note), then each compiled one's speedup."""
-    for name, timing in r["time"].items():
-        print(f"  {name:16s} {span(timing, scale, unit)}; {notes[name]}")
-    for name, speedup in r["speedup_vs_eager"].items():
-        baseline = BASELINE[name]
-        doubt = mark(r["time"][name]["unreliable"], r["time"][baseline]["unreliable"])
-        print(f"  {name} speedup over {baseline}: {speedup:.2f}x (derived){doubt}")
-
-def report_errors(r):
-    for check, error in r["error"].items():
-        print(f"  {check}: max error {error:.1e} (measured; tolerance {r['tolerance']:.0e})")
-
-def report_overhead(r):
-    notes = {}
-    for name, counts in r["launches_per_call"].items():
-        notes[name] = f"per call {counts}"
-    for name, ops in r["jax_ops_per_call"].items():
-        notes[name] = f"per call {ops} jaxpr op(s)"
-    report_times(r, notes, 1e6, "us")
-    if "reduce_overhead" not in r["time"]:
-        print("  (CUDA graphs, mode='reduce-overhead', need a GPU: not run here)")
-    for name, first in r["compile_first_call_s"].items():  # kept out of the timings above
-        warm = r["time"][name]
-        calls = first / warm["median_s"]
-        print(f"  {name} first call {first:.2f} s (measured; it compiles)"
-              f" = {calls:.0f} warm calls (derived){mark(warm['unreliable'])}")
-    report_errors(r)
-
-def report_bandwidth(r):
-    roofs_doubt = mark(r["unreliable"])
-    eager_gb = r["bytes_eager"] / 1e9
-    floor_gb = r["bytes_floor"] / 1e9
-    print(f"  bytes moved (derived): eager {eager_gb:.3f} GB (11 N x 4 B), fused"
-          f" {floor_gb:.3f} GB (3 N x 4 B): eager {11 / 3:.2f}x slower, predicted")
-    print(f"  copy roof {r['copy_bandwidth_Bps'] / 1e9:.3g} GB/s, fp32 matmul roof"
-          f" {r['fp32_peak_flops'] / 1e9:.4g} GFLOP/s (measured, best of two){roofs_doubt}")
-    print(f"  floor {r['floor_s'] * 1e3:.3f} ms, ridge {r['ridge_flop_per_byte']:.1f} FLOP/B"
-          f" (derived){roofs_doubt}")
-    notes = {}
-    for name, ratio in r["vs_floor"].items():
-        doubt = mark(r["unreliable"], r["time"][name]["unreliable"])
-        notes[name] = f"{ratio:5.2f}x the floor (derived){doubt}"
-    report_times(r, notes)
-    print(f"  XLA counts {r['xla_flops']:.3g} FLOPs, {r['xla_bytes']:.3g} B:"
-          f" {r['intensity_flop_per_byte']:.2f} FLOP/B (derived: XLA's cost model)")
-    print(f"  so the fused chain is {r['regime']} here (derived){roofs_doubt}")
-    bound_ms = r["roofline_bound_s"] * 1e3
-    print(f"  roofline bound max(floor, FLOPs / roof) {bound_ms:.3f} ms (derived){roofs_doubt}")
-    for name in ("torch_compile", "jax_jit"):
-        timing = r["time"][name]
-        ratio = timing["median_s"] / r["roofline_bound_s"]
-        doubt = mark(r["unreliable"], timing["unreliable"])
-        print(f"  {name} at {ratio:.2f}x the roofline bound (derived){doubt}")
-    report_errors(r)
-
-def report_compute(r):
-    print(f"  intensity {r['intensity_flop_per_byte']:.0f} FLOP/B (derived), far above any ridge")
-    notes = {}
-    for name, rate in r["flops_per_s"].items():
-        doubt = mark(r["time"][name]["unreliable"])
-        notes[name] = f"{rate / 1e12:.3g} TFLOP/s (derived){doubt}"
-    report_times(r, notes)
-    report_errors(r)
-
-def report_capture_torch(r):
-    for name in ("clean", "dirty"):
-        graphs = r[name]["graph_count"]
-        breaks = r[name]["graph_break_count"]
-        print(f"  {name}(): {graphs} graph(s), {breaks} graph break(s) (measured)"
-              f" {r[name]['break_reasons']}")
-    shapes = r["compiles_for_shapes"]["shapes"]
-    for dynamic in ("dynamic=False", "dynamic=None", "dynamic=True"):
-        after = r["compiles_for_shapes"][dynamic]
-        print(f"  {dynamic:13s}: compiles after shapes {shapes}: {after} (measured)")
 
 def report_capture_jax(r):
     print("  the jaxpr of the chain (what tracing recorded):")
     print("    " + r["jaxpr"].replace("\n", "\n    "))
     shapes = r["traces_for_shapes"]
     static = r["traces_for_static_args"]
-    print(f"  traces after shapes {shapes['shapes']}: {shapes['traces_after_each']} (measured)")
-    print(f"  static_argnums=1, k = {static['k']}: traces {static['traces_after_each']}"
-          " (measured)")
-    print(f"  without static_argnums: {r['nonstatic_loop_bound_error']}")
+    print(f"  measured: traces after shapes {shapes['shapes']}: {shapes['traces_after_each']}")
+    print(f"  measured: static_argnums=1, k = {static['k']}: traces {static['traces_after_each']}")
+    print(f"  measured: without static_argnums: {r['nonstatic_loop_bound_error']}")
     aot = r["aot"]
-    print(f"  lower {aot['lower_s']:.3f} s, compile {aot['compile_s']:.3f} s (measured)")
-    print(f"  XLA's bytes accessed {aot['bytes_accessed']:.4g} against the floor"
-          f" {aot['bytes_floor']:.4g} (3 N x 4 B)")
+    print(f"  measured: lower {aot['lower_s']:.3f} s, compile {aot['compile_s']:.3f} s"
+          f"{busy_mark(r['busy'])}")
+    print(f"  derived: XLA's bytes accessed {aot['bytes_accessed']:.4g} against the floor"
+          f" {aot['bytes_floor']:.4g} counted on paper (3 N + 3 d values of 4 B)")
+    report_checks(r)
+    report_prediction(r["prediction_held"], "the counts and bytes above", True, False)
 
-# Command line
-
-def output_path(text):
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path")
-    return Path(text)
-
-def check_writable(flag, folder):
-    """Make the folder if it is missing and write a scratch file there: a path that
-    cannot be written fails now, not after the run."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        sys.exit(f"error: {flag}: cannot write to {folder} ({error.strerror})")
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Section 13.3: capture the graph, fuse it.")
-    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (the tests)")
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--json", type=output_path, help="write every measured number here")
-    parser.add_argument("--out", type=output_path, default=Path("out"),
-                        help="folder for figures (this lesson draws none: it stays unmade)")
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda: torch sees no CUDA GPU here; run with --device cpu")
-    if args.json is not None:
-        if args.json.is_dir():
-            sys.exit(f"error: --json {args.json}: is a folder, not a file")
-        check_writable("--json", args.json.parent)
-    if args.out.exists() and not args.out.is_dir():
-        sys.exit(f"error: --out {args.out}: exists and is not a folder")
-    return args
-
-def keep_freed_memory():
-    """glibc: keep freed memory, as GPU caching allocators do, so a timed call does not
-    pay for page faults on memory it just returned to the system."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "mallopt"):
-        libc.mallopt(-4, 0)  # M_MMAP_MAX = 0
-        libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD = 1 GB
 
 def main():
     args = parse_args()
-    device = "cpu"
-    if args.device != "cpu" and torch.cuda.is_available():
-        device = "cuda"
-    sizes = SIZES[device]
-    if args.quick:
-        sizes = SIZES["quick"]
-    name = f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    if device == "cuda":
-        memory_gib = torch.cuda.mem_get_info()[1] / 2**30
-        name = f"{torch.cuda.get_device_name()}, {memory_gib:.0f} GiB"
-    else:
-        jax.config.update("jax_platforms", "cpu")
-        keep_freed_memory()
-    print(f"device: {name}")
-    print(f"torch {torch.__version__}, jax {jax.__version__} on {jax.devices()[0]}")
-    print("(torch.compile writes C++ or Triton code: seconds per function, less when cached)")
+    json_file = None
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        json_file = open(args.json, "w")  # a path that cannot be written fails here, first
+    device = pick_device(args.device)
+    described = describe(device)
+    sizes = choose_sizes(device, args.quick)
     torch.set_grad_enabled(False)  # inference only: no autograd graphs
     torch.manual_seed(0)
 
     print(f"\n1. Overhead regime: {3 * STEPS} elementwise ops on {TINY} fp32 values")
-    results = dict(overhead=overhead(sizes, device))
-    report_overhead(results["overhead"])
+    overhead_result = overhead(sizes, device)
+    report_overhead(overhead_result)
 
-    print(f"\n2. Bandwidth regime: gelu(x*a + b)*c + residual, x {sizes.rows}x{sizes.width} fp32")
-    results["bandwidth"] = bandwidth(sizes, device)
-    report_bandwidth(results["bandwidth"])
+    print(f"\n2. Bandwidth regime: gelu(x*a + b)*c + residual, x {sizes.rows} x {sizes.width} fp32")
+    bandwidth_result = bandwidth(sizes, device)
+    report_bandwidth(bandwidth_result)
 
     print(f"\n3. Compute regime: {sizes.matmul_n}^3 matmul, {sizes.matmul_dtype}")
-    results["compute"] = compute(sizes, device)
-    report_compute(results["compute"])
+    compute_result = compute(sizes, device)
+    report_compute(compute_result)
 
     print("\n4a. torch.compile captures bytecode: graph breaks and recompiles")
-    results["capture_torch"] = capture_torch(device)
-    report_capture_torch(results["capture_torch"])
+    capture_torch_result = capture_torch(device)
+    report_capture_torch(capture_torch_result)
 
     print("\n4b. jax.jit traces: jaxpr, trace-time side effects, retraces, AOT compile")
-    results["capture_jax"] = capture_jax(sizes)
-    report_capture_jax(results["capture_jax"])
+    capture_jax_result = capture_jax(sizes)
+    report_capture_jax(capture_jax_result)
 
-    checks = {}
-    for result in results.values():
-        checks.update(result.pop("checks"))
-    failed = [check for check, passed in checks.items() if not passed]
-    print(f"\nchecks: {len(checks) - len(failed)} of {len(checks)} passed")
-    if args.json is not None:
-        versions = dict(torch=torch.__version__, jax=jax.__version__, jax_device=jax.devices()[0])
-        report = dict(lesson="03_compile", quick=args.quick, checks=checks,
-                      device=dict(type=device, name=name, **versions), **results)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+    results = dict(overhead=overhead_result, bandwidth=bandwidth_result, compute=compute_result,
+                   capture_torch=capture_torch_result, capture_jax=capture_jax_result)
+    run = gather(results)
+    print()
+    if run["busy_during"]:
+        print(f"machine busy: other programs took the CPU during {', '.join(run['busy_during'])};"
+              " the marked numbers are not findings")
+    else:
+        print(f"machine busy: no (every sampled share of a core >= {BUSY_SHARE})")
+    print(f"checks: {sum(run['checks'].values())} of {len(run['checks'])} ok")
+    if json_file is not None:
+        result = dict(lesson="03_compile", quick=args.quick, device=described,
+                      machine_busy=len(run["busy_during"]) > 0, cpu_shares=run["cpu_shares"],
+                      checks=run["checks"], predictions=run["predictions"], **results)
+        json.dump(result, json_file, indent=1)
+        json_file.close()
+    failed = []
+    for name, ok in run["checks"].items():
+        if not ok:
+            failed.append(name)
     if failed:
-        sys.exit("error: checks failed: " + ", ".join(failed))
+        sys.exit(f"check failed: {', '.join(failed)}")
+
+
+# Flags, device, machine
+
+def gather(results):
+    """Every experiment's checks, predictions and CPU shares, and the busy ones' names."""
+    run = dict(checks={}, predictions={}, cpu_shares=[], busy_during=[])
+    for name, result in results.items():
+        run["checks"].update(result["checks"])
+        run["predictions"][name] = result["prediction_held"]
+        run["cpu_shares"].extend(result["cpu_shares"])
+        if result["busy"]:
+            run["busy_during"].append(name)
+    return run
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (the tests)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="figure folder (this lesson draws none)")
+    return parser.parse_args()
+
+
+def pick_device(asked):
+    """CUDA when torch sees a GPU (unless --device cpu), else the CPU; JAX on the same."""
+    if asked == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda: torch sees no CUDA GPU here; run with --device cpu")
+    if asked != "cpu" and torch.cuda.is_available():
+        if jax.default_backend() != "gpu":
+            sys.exit("error: torch sees a GPU that JAX cannot use: install JAX's CUDA build"
+                     " (pip install 'jax[cuda13]'), or run with --device cpu")
+        return "cuda"
+    jax.config.update("jax_platforms", "cpu")
+    return "cpu"
+
+
+def describe(device):
+    """Print what this run measures on, and return it for the JSON."""
+    name = f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    if device == "cuda":
+        memory_gib = torch.cuda.mem_get_info()[1] / 2**30
+        name = f"{torch.cuda.get_device_name()}, {memory_gib:.0f} GiB"
+    print(f"device: {name}")
+    print(f"torch {torch.__version__}, jax {jax.__version__} on {jax.devices()[0]}")
+    return dict(type=device, name=name, torch=torch.__version__, jax=jax.__version__,
+                jax_device=str(jax.devices()[0]))
+
 
 if __name__ == "__main__":
     main()

@@ -1,324 +1,437 @@
 """
 Section 13.6: production data parallelism, two philosophies.
 
-PyTorch runs a process per device:
-1. DDP on the GPT ends where 05's hand-rolled version ends (checked).
-2. Its step time against hand-rolled, and the bucket_cap_mb sweep.
-3. How much of the all-reduce runs under backward, from the profiler.
-4. no_sync under gradient accumulation: fewer all-reduces, the same gradients (checked).
-5. The bridge: FSDP2 shards params, grads and AdamW state: 1/N of the bytes a rank.
-JAX runs one process for every device: a Mesh with a 'data' axis, the all-reduce that
-jit puts in the compiled program, the same loss as one device (checked), and [5] sharded
-parameters.
+PyTorch runs one process per device, and its collectives are calls you can see:
+  1. DistributedDataParallel (DDP) on the GPT ends where 05's hand-rolled data
+     parallelism ends (checked).
+  2. Its step time against hand-rolled's, and why: a few buckets instead of a call per
+     tensor, summed while backward still computes (counted, and profiled).
+  3. bucket_cap_mb, swept: the buckets as predicted, the overlap, the step time.
+  4. no_sync under gradient accumulation: one all-reduce of the summed gradients, not
+     one per micro-batch; the same gradients (checked).
+  5. The bridge: FSDP2's fully_shard keeps 1/N of the parameters, gradients and AdamW
+     state on each rank, and ends where DDP ends (checked).
+JAX runs one process for all devices, and its collectives follow from shardings:
+  1. A Mesh with a 'data' axis and the batch split over it: jit puts all-reduces into
+     the compiled program, and the losses equal one device's (checked).
+  2. The split batch's step time against one device running all of it.
+  3. The bridge: the parameters and AdamW state split over 'data' too (a PartitionSpec):
+     memory per device against replication, the same losses (checked).
 
-Copy it with model_torch.py and model_jax.py. Expect a line per number as it is
-measured, then "checks: ALL PASSED"; in --out, a profiler trace for ui.perfetto.dev.
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 06_ddp_prod.py  # CPU
-    torchrun --standalone --nproc_per_node=2 06_ddp_prod.py  # 2 GPUs (1 GPU: 1 rank)
+Copy it with model_torch.py and model_jax.py. Run
+    torchrun --standalone --nproc_per_node=2 06_ddp_prod.py  # PyTorch: a GPU per rank
     torchrun --standalone --nproc_per_node=2 06_ddp_prod.py --interconnect staged
+        # GPU-to-GPU bytes through host memory, as on a PCIe box without P2P (the book's)
+    torchrun --standalone --nproc_per_node=2 06_ddp_prod.py --device cpu
+        # gloo ranks on the CPU, at most one per core
     python 06_ddp_prod.py  # JAX: every GPU, else 4 simulated CPU devices
-    # past one machine, torch: the same on each node
-    #   torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d \\
-    #            --rdzv-endpoint=HOST:29500 06_ddp_prod.py
-    # past one machine, JAX: one process per machine, and as its first JAX call
-    #   jax.distributed.initialize("HOST:1234", num_processes=2, process_id=i)
+One GPU has no partner: the PyTorch half needs 2 ranks or more (with fewer GPUs than
+ranks here, the ranks run on the CPU) and the JAX half 2 devices or more (--device cpu
+simulates them).
+Past one machine, PyTorch: the same torchrun on each node, with --nnodes=2
+--rdzv-backend=c10d --rdzv-endpoint=HOST:29500 for --standalone. JAX: one process per
+machine, each calling jax.distributed.initialize("HOST:1234", num_processes=2,
+process_id=i) before any other JAX call.
+
+Expect each experiment's prediction, what it measured and whether the prediction held,
+then "check ...: ok" lines; in --out, the profiler trace of DDP's step (ui.perfetto.dev).
+On a CPU each half takes a minute or two; on two GPUs, about a minute each.
 """
 
-import os
-import signal
-import sys
-
-
-def interrupted(signum, frame):
-    """Ctrl-C during the imports, and all through the JAX half: one line, exit 130. (A
-    KeyboardInterrupt raised there can land in a callback, of Python's import machinery or of
-    JAX's garbage collection, which prints it and goes on.)"""
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
-
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
 import gc
+import io
 import json
+import os
 import re
 import statistics
-import tempfile
+import sys
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # before torch: no profiler USDT lines
+
+import flax
+import jax
+import numpy as np
 import torch
 import torch.distributed as dist
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard  # FSDP2, public since torch 2.6
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model_torch import GPT, GPTConfig
+from model_jax import GPT as JaxGPT
+from model_jax import adamw as jax_adamw
+from model_jax import make_train_step
+from model_torch import ALLOCATOR_HEADROOM, GPT, GPTConfig, param_count, predicted_peak_bytes
 
 LR = 6e-4
-PARAM_TOL = LR / 6  # fp32, manual attention: rounding; a wrong all-reduce: ~LR a step
-MICRO_STEPS = 4     # gradient accumulation: k micro-batches per optimizer step
-PROFILED_STEPS = 2  # steps under torch.profiler per variant: a small trace
-TIMEOUT_S = 60      # a rank left waiting this long in a collective gives up, never hangs
-CPU_DEVICES = 4     # JAX on a CPU: simulated devices, unless XLA_FLAGS names a count
+PARAM_TOL = LR / 6   # fp32 rounding: ~1e-6; a gradient lost, or summed and not averaged: ~LR
+LOSS_TOL = 1e-4      # relative: fp32 rounding ~1e-6; a gradient summed twice: ~1e-2
+STEPS_CHECKED = 3    # AdamW steps before two ways of training are compared
+MICRO_STEPS = 4      # gradient accumulation: k micro-batches per optimizer step
+PROFILED_STEPS = 2   # steps under the profiler, after one unrecorded step
+TIMEOUT = datetime.timedelta(seconds=120)  # a rank waiting this long in a collective fails
+CPU_DEVICES = 4      # JAX on a CPU: simulated devices, unless the environment names a count
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-HOST_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-NO_NCCL = "no NCCL here: the flag changes nothing"
-BUSY = "unreliable (machine busy)"
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+
 
 @dataclasses.dataclass
 class Sizes:
-    preset: str = "tiny"     # model_torch's preset: 4 heads, d 128
-    n_layer: int = 4         # transformer blocks
-    vocab_size: int = 50304  # GPT-2's tokens, padded
-    batch: int = 2           # rows per rank (JAX: per device)
-    seq_len: int = 128       # tokens per row
-    passes: int = 3          # timing turns (A B C, A B C, ...)
-    reps: int = 1            # steps per turn; a turn counts their median
-    caps: tuple = (0.25, 1, None, 25)  # bucket_cap_mb swept; None: DDP's default
+    preset: str = "tiny"       # model_torch's preset: 4 heads, d 128
+    n_layer: int = 4           # transformer blocks
+    vocab_size: int = 50304    # GPT-2's tokens, padded: the embedding is most of the bytes
+    rows: int = 2              # sequences per rank (JAX: per device); fewer if memory says
+    seq_len: int = 128         # tokens per sequence
+    reps: int = 5              # rounds of each interleaved comparison
+    caps: tuple = (0.25, 1, 25)  # bucket_cap_mb values swept beside DDP's default
 
-    def config(self):
-        return GPTConfig.preset(self.preset, n_layer=self.n_layer,
-                                block_size=self.seq_len, vocab_size=self.vocab_size)
+    def config(self, attn="sdpa"):
+        return GPTConfig.preset(self.preset, n_layer=self.n_layer, block_size=self.seq_len,
+                                vocab_size=self.vocab_size, attn=attn)
+
 
 CPU = Sizes()
-QUICK = dataclasses.replace(CPU, n_layer=1, vocab_size=4096, seq_len=64, passes=2,
-                            caps=(0.25, None))  # a smoke run, not a measurement
-GPU = dataclasses.replace(CPU, preset="gpt2", n_layer=12, batch=8, seq_len=1024,
-                          passes=7, reps=5, caps=(1, 5, 25, None, 100, 1000))
+GPU = dataclasses.replace(CPU, preset="gpt2", n_layer=12, rows=8, seq_len=1024, reps=10,
+                          caps=(1, 5, 25, 100, 1000))
+QUICK = dataclasses.replace(CPU, n_layer=2, vocab_size=4096, seq_len=32, reps=2,
+                            caps=(0.25,))  # a smoke run, not a measurement
 
-def pick_sizes(quick, gpu):
-    if gpu:
-        return GPU
-    if quick:
-        return QUICK
-    return CPU
-
-def use_interconnect(name):
-    """Before the process group starts. 'staged' turns NCCL's peer-to-peer off, so every
-    GPU-to-GPU byte goes through host memory, as on a PCIe box without P2P. NCCL's own
-    log (NCCL_DEBUG=INFO, into a file per process) then says which transport it chose."""
-    if name == "staged":
-        os.environ["NCCL_P2P_DISABLE"] = "1"
-    log = f"{tempfile.gettempdir()}/nccl-{os.getpid()}.log"
-    os.environ.setdefault("NCCL_DEBUG", "INFO")
-    os.environ.setdefault("NCCL_DEBUG_FILE", log)
-
-def nccl_transport():
-    """The transports NCCL's log names once a collective has run (e.g. P2P/CUMEM/read,
-    or SHM/direct/direct when staged through host memory)."""
-    try:
-        text = Path(os.environ["NCCL_DEBUG_FILE"]).read_text()
-    except (KeyError, OSError):
-        return "not reported"
-    transports = sorted(set(re.findall(r" via (\S+)", text)))
-    if not transports:
-        return "not reported"
-    return ", ".join(transports)
-
-def header(args, sizes, name, memory, versions, transport, per):
-    config = sizes.config()
-    print(f"device: {name}, {memory / 2**30:.0f} GiB | {versions}")
-    print(f"interconnect: {args.interconnect}; NCCL reports: {transport}")
-    print(f"model: {config.n_layer} layers, d {config.n_embd}, "
-          f"vocab {config.vocab_size}, {sizes.batch} x {sizes.seq_len} tokens per {per}")
-    return dict(lesson="06_ddp_prod", framework=args.framework, quick=args.quick,
-                device=dict(name=name, versions=versions),
-                interconnect=dict(name=args.interconnect, transport=transport),
-                model=dict(vars(config), batch=sizes.batch, seq_len=sizes.seq_len))
 
 # ---------------------------------------------------------------------------------------
-# Timing, the same for both frameworks: variants in turns, compared by their medians.
+# Timing, the same in both halves: interleaved, with its spread and the machine's load.
 
-def sync(device):
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). A GPU shared with another program is not seen here."""
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def synchronize(device):
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
-def median_time(fn, device, reps):
-    """One warm-up call, then the median of reps timed calls, in seconds. GPU work is
-    asynchronous, so the device is synchronised before every clock read."""
-    fn()
-    times = []
+
+def interleaved(fns, reps, device=None):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. A GPU is synchronised
+    around each call; a JAX function blocks until its result is ready."""
+    seconds = [[] for _ in fns]
     for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
+        for samples, fn in zip(seconds, fns):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def timed(fns, reps, device=None):
+    """Milliseconds of each named function, interleaved after two warm-up calls each
+    (DDP settles its buckets in its first steps), and the share of a core this process
+    got before and after. Under torchrun, the slowest rank's time (a data-parallel step
+    waits for it) and the lowest rank's share. Garbage is collected first: no collector
+    pause lands in a timed call, and the DDP replicas of earlier experiments (reference
+    cycles) give back their GPU memory."""
+    gc.collect()
+    shares = [cpu_share()]
+    for fn in fns.values():
         fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        fn()
+    seconds = interleaved(list(fns.values()), reps, device)
+    shares.append(cpu_share())
+    if dist.is_initialized():
+        seconds = across_ranks(seconds, dist.ReduceOp.MAX, device)
+        shares = across_ranks(shares, dist.ReduceOp.MIN, device)
+    ms = {}
+    for name, samples in zip(fns, seconds):
+        ms[name] = [s * 1e3 for s in samples]
+    return dict(ms=ms, shares=shares, busy=min(shares) < BUSY_SHARE)
 
-def exp_step_time(steps, passes, reps, device=None):
-    """Time the steps in turns (A B C, A B C, ...), so that a busy moment hits them all.
-    Under torchrun a turn counts the slowest rank: a data-parallel step waits for it."""
-    samples = {name: [] for name in steps}
-    for _ in range(passes):
-        for name, step in steps.items():
-            seconds = median_time(step, device, reps)
-            ms = torch.tensor(seconds * 1e3, device=device)
-            if dist.is_initialized():
-                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            samples[name].append(ms.item())
-    result = {}
-    for name, ms in samples.items():
-        q1, median, q3 = statistics.quantiles(ms, n=4, method="inclusive")
-        spread = max(ms) - min(ms)
-        result[name] = dict(median_ms=median, q1_ms=q1, q3_ms=q3,
-                            unreliable=spread > median)
-    return result
 
-def compared(row, base, base_name):
-    """What row saves against base: the difference of their medians, resolved when
-    their IQRs do not overlap, unreliable when either timing is."""
-    saves = base["median_ms"] - row["median_ms"]
-    apart = row["q3_ms"] < base["q1_ms"] or base["q3_ms"] < row["q1_ms"]
-    unreliable = any([row["unreliable"], base["unreliable"]])
-    return dict(against=base_name, saves_ms=saves, resolved=apart,
-                saves_unreliable=unreliable)
+def across_ranks(values, op, device):
+    """The values reduced over all ranks (the largest with MAX, the smallest with MIN)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
 
-def time_text(t):
-    iqr = f"IQR {t['q1_ms']:.1f}-{t['q3_ms']:.1f}"
-    text = f"{t['median_ms']:.1f} ms/step (median; {iqr}; measured)"
-    if t["unreliable"]:  # the turns spread wider than their median
-        text += f" {BUSY}"
-    return text
 
-def saves_text(t, base):
-    verdict = "the IQRs overlap: within noise"
-    if t["resolved"]:
-        verdict = "the IQRs are apart: resolved"
-    shown = round(base["median_ms"], 1) - round(t["median_ms"], 1)  # adds up as printed
-    medians = f"{base['median_ms']:.1f} - {t['median_ms']:.1f}, the medians"
-    text = f"saves {shown:+.1f} ms against {t['against']} ({medians}; derived); {verdict}"
-    if t["saves_unreliable"]:
-        text += f" {BUSY}"
-    return text
+def compared(timing, slow, fast):
+    """`fast` against `slow`: the median of the per-pair ratios slow_i / fast_i, with their
+    range, and the difference of the medians. A finding only when the whole range lies on
+    one side of 1 and the machine was not busy."""
+    a = timing["ms"][slow]
+    b = timing["ms"][fast]
+    ratios = []
+    for x, y in zip(a, b):
+        ratios.append(x / y)
+    finding = min(ratios) > 1 or max(ratios) < 1
+    if timing["busy"]:
+        finding = False
+    return dict(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios),
+                finding=finding, saves_ms=statistics.median(a) - statistics.median(b),
+                busy=timing["busy"])
+
+
+def mark(c):
+    """What a comparison's number is, when it is not a finding."""
+    if c["busy"]:
+        return " (machine busy)"
+    if not c["finding"]:
+        return " (within noise)"
+    return ""
+
+
+def faster(c):
+    """A finding that `fast` is faster than `slow`."""
+    return c["finding"] and c["ratio"] > 1
+
+
+def print_time(timing, name, label):
+    ms = timing["ms"][name]
+    busy = ""
+    if timing["busy"]:
+        busy = " (machine busy)"
+    print(f"measured: {label}: {statistics.median(ms):.1f} ms (median of {len(ms)}, "
+          f"[{min(ms):.1f}, {max(ms):.1f}]){busy}")
+
+
+def print_comparison(c, slow, fast):
+    effect = f"{fast} saves {c['saves_ms']:.1f} ms"
+    if c["saves_ms"] < 0:
+        effect = f"{fast} costs {-c['saves_ms']:.1f} ms"
+    print(f"derived: {slow} / {fast}: {c['ratio']:.2f}x (pairs {c['low']:.2f} to "
+          f"{c['high']:.2f}): {effect} a step{mark(c)}")
+
+
+def check(checks, name, ok):
+    checks[name] = ok
+    if ok:
+        print(f"check {name}: ok")
+    else:
+        print(f"check {name}: FAILED")
+
+
+def held(predictions, name, ok, text):
+    predictions[name] = ok
+    if ok:
+        print(f"prediction held: {text}")
+    else:
+        print(f"prediction missed: {text}")
+
 
 # ---------------------------------------------------------------------------------------
-# PyTorch: a process per device; DDP's hooks run the all-reduce during backward.
-
-def torch_start(args):
-    """NCCL on GPU LOCAL_RANK if every rank on this machine has a GPU, else gloo.
-    Returns the device, the backend, the device's name and its memory in bytes."""
-    ranks_here = int(os.environ["LOCAL_WORLD_SIZE"])
-    if args.device != "cpu" and torch.cuda.device_count() >= ranks_here:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        backend = "nccl"
-        name = torch.cuda.get_device_name(device)
-        memory = torch.cuda.mem_get_info(device)[1]
-    elif args.device == "cuda":
-        sys.exit("error: --device cuda: fewer GPUs than ranks here; use --device cpu")
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-        name = "CPU"
-        memory = HOST_MEMORY
-    use_interconnect(args.interconnect)
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(backend, timeout=timeout)  # main() ends it
-    dist.all_reduce(torch.ones(1, device=device))  # the first collective: NCCL connects
-    sync(device)
-    return device, backend, name, memory
+# PyTorch: one process per device; DDP's hooks run the all-reduces during backward.
 
 def loss_of(model, x, y, amp, micro_steps=1):
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         _, loss = model(x, y)
     return loss / micro_steps  # equal micro-batches: the sum of k losses / k, their mean
 
-def train_step(model, opt, x, y, amp, handrolled=False):
-    opt.zero_grad(set_to_none=True)
-    loss_of(model, x, y, amp).backward()  # DDP, FSDP2: hooks run the collectives
-    if handrolled:  # 05's way: the whole backward, then every gradient: no overlap
+
+def train_step(model, optimizer, x, y, amp):
+    """One step of DDP or FSDP2: their hooks run the collectives inside backward. The
+    named ranges show in the profiler's trace, on the CPU's timeline and the GPU's."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function("forward"):
+        loss = loss_of(model, x, y, amp)
+    with torch.profiler.record_function("backward"):
+        loss.backward()
+    with torch.profiler.record_function("optimizer"):
+        optimizer.step()
+
+
+def handrolled_step(model, optimizer, x, y, amp):
+    """05's way: the whole backward, then an all-reduce per gradient tensor (the sum over
+    the ranks, then / N for the mean), then the step. Nothing overlaps."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.profiler.record_function("forward"):
+        loss = loss_of(model, x, y, amp)
+    with torch.profiler.record_function("backward"):
+        loss.backward()
+    with torch.profiler.record_function("all-reduce"):
         for p in model.parameters():
-            dist.all_reduce(p.grad.div_(dist.get_world_size()))
-    opt.step()
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+    with torch.profiler.record_function("optimizer"):
+        optimizer.step()
+
 
 def adamw(model):
     plain = getattr(model, "module", model)  # DDP wraps the GPT as .module
     return plain.configure_optimizer(lr=LR)
 
+
 def max_diff(xs, ys):
     """The largest |x - y| over all tensors and all ranks."""
-    diffs = [(x.detach() - y.detach()).abs().max() for x, y in zip(xs, ys)]
+    diffs = []
+    for x, y in zip(xs, ys):
+        diffs.append((x.detach() - y.detach()).abs().max())
     largest = torch.stack(diffs).max().double()
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     return largest.item()
 
-def torch_same_math(base, batches):
-    # PREDICTION [1]: hand-rolled and DDP do the same math (the mean of the ranks'
-    # gradients, the same AdamW): after 3 steps they agree to rounding, bit for bit
-    # with 2 ranks.
-    hand = copy.deepcopy(base)
-    hand_opt = adamw(hand)
-    ddp = DDP(copy.deepcopy(base))
-    ddp_opt = adamw(ddp)
+
+def torch_same_result(check_model, batches):
+    """Predicted: hand-rolled and DDP do the same math (the mean of the ranks' gradients
+    into the same AdamW), so after 3 steps their parameters agree: bit for bit with 2
+    ranks (a + b = b + a), to fp32 rounding (under 1e-5) with more (a bucket's sum adds
+    in another order than a lone tensor's). A gradient summed and not averaged would move
+    them by ~LR (6e-4) a step. fp32 and manual attention, on a CPU or a GPU: no kernel
+    rounds differently from one run to the next."""
+    hand = copy.deepcopy(check_model)
+    hand_optimizer = adamw(hand)
+    ddp = DDP(copy.deepcopy(check_model))  # rank 0's weights broadcast to every rank
+    ddp_optimizer = adamw(ddp)
     for x, y in batches:
-        train_step(hand, hand_opt, x, y, amp=False, handrolled=True)
-        train_step(ddp, ddp_opt, x, y, amp=False)
-    return max_diff(hand.parameters(), ddp.parameters()), ddp, ddp_opt
+        handrolled_step(hand, hand_optimizer, x, y, amp=False)
+        train_step(ddp, ddp_optimizer, x, y, amp=False)
+    diff = max_diff(hand.parameters(), ddp.parameters())
+    return dict(steps=len(batches), max_abs_param_diff=diff)
 
-def bucket_name(cap):
-    if cap is None:
-        return "default"
-    return f"{cap:g} MiB"
 
-def torch_steps(base, x, y, amp, caps):
-    # PREDICTION [2], GPT-2 on two GPUs: 498 MB of fp32 gradients per rank and step
-    # against 6 x 124M x 8192 = 6 TFLOP, tens of ms in eager bf16 (H200: 989 TFLOP/s,
-    # datasheet). NVLink 4 (450 GB/s each way, datasheet): 1-2 ms of all-reduce, DDP
-    # wins about that (148 calls become ~15); the bucket size moves a ms either way: a
-    # small bucket pays a copy and launch each, one huge one cannot start before
-    # backward ends. Staged through host memory (PCIe 5.0 x16: 64 GB/s each way, spec,
-    # plus a host copy): 10-20 ms, like the compute: DDP hides much of it and wins
-    # clearly; tiny buckets pay a latency each, one huge bucket waits for the whole
-    # backward. CPU (gloo): the ranks share the cores, DDP gains by fewer calls only.
-    hand = copy.deepcopy(base)
-    hand_step = partial(train_step, hand, adamw(hand), x, y, amp, handrolled=True)
-    steps = {"hand-rolled": hand_step}
-    for cap in caps:
-        ddp = DDP(copy.deepcopy(base), bucket_cap_mb=cap)  # None: DDP's default, 25 MiB
-        steps[bucket_name(cap)] = partial(train_step, ddp, adamw(ddp), x, y, amp)
-    return steps
+def report_torch_same_result(same, checks, predictions):
+    diff = same["max_abs_param_diff"]
+    print(f"measured: max |parameter difference| after {same['steps']} AdamW steps, DDP "
+          f"against hand-rolled: {diff:.2e}")
+    held(predictions, "same_result", diff <= 1e-5, f"{diff:.2e}, predicted at most 1e-5")
+    check(checks, "ddp_equals_handrolled", diff < PARAM_TOL)
 
-def torch_overlap(step, device, trace=None):
-    # PREDICTION [3]: hand-rolled hides nothing; DDP all buckets but the last. GPU: NCCL
-    # kernels against the others; CPU: gloo's all-reduce (own threads) against
-    # autograd's ops.
-    activity = getattr(torch.profiler.ProfilerActivity, device.type.upper())
-    after_one = torch.profiler.schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)
-    with torch.profiler.profile(activities=[activity], schedule=after_one) as prof:
-        for _ in range(1 + PROFILED_STEPS):  # a first step unrecorded: the ranks'
-            step()  # profilers start apart, and a collective would count the wait
-            sync(device)
-            prof.step()
-    comm = []
-    compute = []
-    for event in prof.events():
-        start_ns = round(event.time_range.start * 1e3)  # microseconds to ns: exact sums
-        end_ns = round(event.time_range.end * 1e3)
-        if event.name == "gloo:all_reduce":
-            comm.append((start_ns, end_ns))
-        elif event.name.startswith("autograd::engine::evaluate_function"):
-            compute.append((start_ns, end_ns))
-        elif event.device_type == torch.autograd.DeviceType.CUDA:  # a GPU kernel
-            if event.is_user_annotation:
-                continue
-            if "nccl" in event.name.lower():
-                comm.append((start_ns, end_ns))
-            else:
-                compute.append((start_ns, end_ns))
+
+def torch_step_time(model, x, y, amp, reps, device, trace):
+    """Predicted: DDP is faster than hand-rolled (hand-rolled / DDP above 1, beyond the
+    spread). Both move the same bytes, 4 a parameter (498 MB for GPT-2, 29 MB for the
+    CPU's model), but hand-rolled makes one all-reduce per gradient tensor (148 for
+    GPT-2, 52 for the CPU's) once backward has returned, none of it overlapping, while DDP
+    makes one per bucket (predicted_buckets: 13 and 2) and sums every bucket but the last
+    while backward still computes: over 10% of its all-reduce time overlaps backward.
+    With peer-to-peer (NVLink: ~370 GB/s of all-reduce on H100s and H200s), GPT-2's
+    all-reduce takes ~1-2 ms of a ~35 ms step: DDP gains a few percent. Staged through
+    host memory (PCIe without P2P: ~27 GB/s) it takes ~18 ms, and DDP hides much of it:
+    ~1.2x. On a CPU the ranks' cores do both backward and gloo's sums, so overlap buys
+    little; the fewer calls save their fixed cost: 1.0-1.3x."""
+    hand = copy.deepcopy(model)
+    ddp = DDP(copy.deepcopy(model))
+    steps = {"hand-rolled": partial(handrolled_step, hand, adamw(hand), x, y, amp),
+             "DDP": partial(train_step, ddp, adamw(ddp), x, y, amp)}
+    timing = timed(steps, reps, device)
+    cuda = device.type == "cuda"
+    profiles = {"hand-rolled": profiled(steps["hand-rolled"], cuda),
+                "DDP": profiled(steps["DDP"], cuda, trace)}
+    return dict(timing=timing, compared=compared(timing, "hand-rolled", "DDP"),
+                profiles=profiles)
+
+
+def report_torch_step_time(step_time, tensors, buckets, trace, predictions):
+    print_time(step_time["timing"], "hand-rolled", "hand-rolled step")
+    print_time(step_time["timing"], "DDP", "DDP step")
+    c = step_time["compared"]
+    print_comparison(c, "hand-rolled", "DDP")
+    for name, row in step_time["profiles"].items():
+        print(f"measured: {name}: all-reduces a step {row['calls_per_step']:.0f} (counted), "
+              f"{row['comm_ms_per_step']:.1f} ms of them, {row['overlap']:.0%} while "
+              f"backward computed (profiler)")
+    if trace is not None:
+        print(f"trace of DDP's steps (ui.perfetto.dev): {trace}")
+    held(predictions, "ddp_faster", faster(c), f"hand-rolled / DDP {c['ratio']:.2f}x{mark(c)}")
+    hand = step_time["profiles"]["hand-rolled"]
+    ddp = step_time["profiles"]["DDP"]
+    ok = hand["calls_per_step"] == tensors and ddp["calls_per_step"] == buckets
+    if hand["overlap"] >= 0.01 or not overlap_as_predicted(ddp["overlap"], buckets):
+        ok = False
+    held(predictions, "ddp_buckets_overlap", ok,
+         f"all-reduces {hand['calls_per_step']:.0f} and {ddp['calls_per_step']:.0f} "
+         f"(predicted {tensors} and {buckets}), overlap {hand['overlap']:.0%} and "
+         f"{ddp['overlap']:.0%}")
+
+
+def overlap_as_predicted(overlap, buckets):
+    """With 2 buckets or more, over 10% of the all-reduce time overlaps backward; a single
+    bucket waits for the last gradient, so it overlaps almost nothing."""
+    if buckets == 1:
+        return overlap < 0.1
+    return overlap > 0.1
+
+
+def profiled(step, cuda, trace=None):
+    """The step under torch.profiler, after one unrecorded step (the ranks' profilers
+    start apart, and a collective would count the wait): its all-reduces (overlap_of)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as profiler:
+        for _ in range(1 + PROFILED_STEPS):
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            profiler.step()
     if trace is not None:  # Chrome/Perfetto JSON
-        prof.export_chrome_trace(str(trace))
-    comm_ns = covered(comm)
-    both = comm_ns + covered(compute) - covered(comm + compute)  # |A| + |B| - |A or B|
-    return dict(allreduce_calls_per_step=len(comm) // PROFILED_STEPS,
-                comm_ms_per_step=comm_ns / 1e6 / PROFILED_STEPS,
-                overlap_fraction=both / max(comm_ns, 1))
+        profiler.export_chrome_trace(str(trace))
+    if cuda:
+        comm, backward = gpu_spans(profiler.events())
+    else:
+        comm, backward = cpu_spans(profiler.events())
+    return overlap_of(comm, backward, PROFILED_STEPS)
+
+
+def span_ns(event):
+    return (round(event.time_range.start * 1e3), round(event.time_range.end * 1e3))
+
+
+def cpu_spans(events):
+    """On a CPU: gloo's all-reduces, from the call to the end of the sum (in flight on
+    gloo's threads), and backward's work (autograd's engine evaluating each function)."""
+    comm = []
+    backward = []
+    for event in events:
+        if event.name == "gloo:all_reduce":
+            comm.append(span_ns(event))
+        elif event.name.startswith("autograd::engine::evaluate_function"):
+            backward.append(span_ns(event))
+    return comm, backward
+
+
+def gpu_spans(events):
+    """On a GPU: NCCL's kernels, and backward's: the other kernels that ran between the
+    end of a step's forward range and the start of its optimizer range, as the GPU ran
+    them (DDP's bucket copies, and hand-rolled's divisions, among them)."""
+    comm = []
+    kernels = []
+    forward_ends = []
+    optimizer_starts = []
+    for event in events:
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if event.is_user_annotation and event.name == "forward":  # record_function's range
+            forward_ends.append(span_ns(event)[1])
+        elif event.is_user_annotation and event.name == "optimizer":
+            optimizer_starts.append(span_ns(event)[0])
+        elif "nccl" in event.name.lower():
+            comm.append(span_ns(event))
+        elif not event.is_user_annotation:
+            kernels.append(span_ns(event))
+    backward = []
+    for first, last in zip(sorted(forward_ends), sorted(optimizer_starts)):
+        for start, end in kernels:
+            if first <= start and end <= last:
+                backward.append((start, end))
+    return comm, backward
+
 
 def covered(spans):
     """The time that (start, end) spans cover, overlaps counted once."""
@@ -329,6 +442,83 @@ def covered(spans):
         reached = max(reached, end)
     return total
 
+
+def overlap_of(comm, backward, steps):
+    """All-reduce calls and milliseconds per step, and the share of that time during
+    which backward computed: |comm and backward| / |comm|."""
+    comm_ns = covered(comm)
+    both = comm_ns + covered(backward) - covered(comm + backward)  # |A| + |B| - |A or B|
+    return dict(calls_per_step=len(comm) / steps, comm_ms_per_step=comm_ns / 1e6 / steps,
+                overlap=both / max(comm_ns, 1))
+
+
+def predicted_buckets(model, bucket_cap_mb):
+    """How many all-reduces DDP makes a step: its buckets, filled with the gradients in
+    the order backward makes them (the parameters reversed), each closed once it holds
+    bucket_cap_mb MiB; DDP's default (None): 25 MiB, but 1 MiB for the first bucket, so
+    that communication starts early."""
+    limits = [1 * 2**20, 25 * 2**20]
+    if bucket_cap_mb is not None:
+        limits = [bucket_cap_mb * 2**20]
+    buckets = 0
+    filled = 0
+    for p in reversed(list(model.parameters())):
+        filled += p.numel() * p.element_size()
+        if filled >= limits[min(buckets, len(limits) - 1)]:
+            buckets += 1
+            filled = 0
+    if filled > 0:
+        buckets += 1
+    return buckets
+
+
+def torch_bucket_sweep(model, x, y, amp, caps, reps, device):
+    """Predicted: bucket_cap_mb sets the all-reduces a step, as predicted_buckets counts
+    them (GPT-2: 50, 37, 13, 4 and 1 for 1, 5, 25, 100 and 1000 MiB), and a cap that holds
+    every gradient in one bucket overlaps almost nothing. The time trades a fixed cost
+    per call against that overlap: on GPUs, caps of 1 to 100 MiB land within a ms or two
+    of the default, while one bucket (1000 MiB) waits for the whole backward and is
+    slower by about its all-reduce (NVLink: ~2 ms; staged: ~10 ms). On a CPU, where
+    overlap buys little, the caps land within noise of each other. Each cap is timed
+    interleaved with DDP's default."""
+    ddp = DDP(copy.deepcopy(model))
+    default = partial(train_step, ddp, adamw(ddp), x, y, amp)
+    rows = []
+    for cap in caps:
+        swept = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
+        step = partial(train_step, swept, adamw(swept), x, y, amp)
+        timing = timed({"default": default, "swept": step}, reps, device)
+        row = profiled(step, device.type == "cuda")
+        row.update(bucket_cap_mb=cap, predicted_calls=predicted_buckets(model, cap),
+                   timing=timing, against_default=compared(timing, "default", "swept"))
+        rows.append(row)
+        del swept, step  # one swept replica alive at a time
+    return rows
+
+
+def report_torch_bucket_sweep(rows, predictions):
+    print("bucket_cap_mb | all-reduces predicted | counted | overlap | step ms, median "
+          "[min, max] | default / this cap")
+    ok = True
+    for row in rows:
+        ms = row["timing"]["ms"]["swept"]
+        c = row["against_default"]
+        spread = f"{statistics.median(ms):.1f} [{min(ms):.1f}, {max(ms):.1f}]"
+        print(f"{row['bucket_cap_mb']:>13g} | {row['predicted_calls']:>21d} | "
+              f"{row['calls_per_step']:>7.0f} | {row['overlap']:>7.0%} | {spread:>26} | "
+              f"{c['ratio']:.2f}x ({c['low']:.2f} to {c['high']:.2f}){mark(c)}")
+        if row["calls_per_step"] != row["predicted_calls"]:
+            ok = False
+        if not overlap_as_predicted(row["overlap"], row["predicted_calls"]):
+            ok = False
+    print("(counted and overlap: the profiler's, with backward; default / this cap: "
+          "derived, the median of the interleaved pairs (their range), above 1 when the "
+          "cap is faster than DDP's default of [2])")
+    held(predictions, "buckets_as_predicted", ok,
+         "every bucket_cap_mb made the all-reduces predicted_buckets counts, one bucket "
+         "overlapping almost nothing")
+
+
 def accumulate_no_sync(ddp, micro, amp):
     # the right way: forward AND backward inside no_sync for all but the last
     # micro-batch, whose backward all-reduces the sum of all k gradients, once
@@ -337,6 +527,7 @@ def accumulate_no_sync(ddp, micro, amp):
         with ddp.no_sync():
             loss_of(ddp, x, y, amp, len(micro)).backward()
     loss_of(ddp, *micro[-1], amp, len(micro)).backward()
+
 
 def accumulate_trap(ddp, micro, amp):
     # the trap: forward outside no_sync. DDP decides during forward whether the coming
@@ -348,202 +539,312 @@ def accumulate_trap(ddp, micro, amp):
             loss.backward()
     loss_of(ddp, *micro[-1], amp, len(micro)).backward()
 
-def torch_no_sync(ddp, micro):
-    # PREDICTION [4]: k = 4: the trap all-reduces every backward, the right way the
-    # last only: the same gradients (fp32: rounding, 1e-5 of the largest; a micro-batch
-    # lost or counted twice moves them by a quarter), 3 all-reduces of every gradient
-    # saved: 3-6 ms over NVLink, tens of ms staged.
+
+def torch_no_sync(model, micro, amp, reps, device):
+    """Predicted: with k = 4 micro-batches the right way all-reduces once, one backward's
+    buckets (13 for GPT-2, 2 for the CPU's model); the trap all-reduces every backward, k
+    times as many. The gradients are the same (fp32: rounding, ~1e-7 of the largest; a
+    micro-batch lost or counted twice moves them by a quarter), and the right way is
+    faster, by 3 all-reduces of every gradient: ~5 ms with NVLink, tens of ms staged or
+    on a CPU."""
+    ddp = DDP(copy.deepcopy(model))
     accumulate_no_sync(ddp, micro, amp=False)
     right = [p.grad.clone() for p in ddp.parameters()]
     accumulate_trap(ddp, micro, amp=False)
     trap = [p.grad.clone() for p in ddp.parameters()]
     largest = max(g.abs().max().item() for g in right)
-    return dict(k=len(micro), max_abs_grad_diff=max_diff(right, trap),
-                max_abs_grad=largest)
+    loops = {"trap": partial(accumulate_trap, ddp, micro, amp),
+             "no_sync": partial(accumulate_no_sync, ddp, micro, amp)}
+    timing = timed(loops, reps, device)
+    calls = {}
+    for name, loop in loops.items():
+        calls[name] = profiled(loop, device.type == "cuda")["calls_per_step"]
+    return dict(k=len(micro), max_abs_grad_diff=max_diff(right, trap), max_abs_grad=largest,
+                calls=calls, timing=timing, compared=compared(timing, "trap", "no_sync"))
 
-def state_bytes(model, opt):
-    """Params, grads and AdamW state on this rank (of a DTensor: its shard)."""
-    tensors = [*model.parameters(), *(p.grad for p in model.parameters())]
-    for state in opt.state.values():
-        tensors += [v for v in state.values() if torch.is_tensor(v)]
+
+def report_torch_no_sync(no_sync, buckets, checks, predictions):
+    k = no_sync["k"]
+    calls = no_sync["calls"]
+    print(f"measured: all-reduces for {k} micro-batches: no_sync {calls['no_sync']:.0f}, "
+          f"the trap {calls['trap']:.0f} (counted)")
+    print(f"measured: gradients, no_sync against the trap: max |difference| "
+          f"{no_sync['max_abs_grad_diff']:.2e} of max |gradient| {no_sync['max_abs_grad']:.2e}")
+    print_time(no_sync["timing"], "trap", f"the trap, {k} micro-batches")
+    print_time(no_sync["timing"], "no_sync", f"no_sync, {k} micro-batches")
+    c = no_sync["compared"]
+    print_comparison(c, "trap", "no_sync")
+    ok = calls["no_sync"] == buckets and calls["trap"] == k * buckets
+    if not faster(c):
+        ok = False
+    held(predictions, "no_sync_once", ok,
+         f"all-reduces {calls['no_sync']:.0f} and {calls['trap']:.0f} (predicted "
+         f"{buckets} and {k * buckets}); trap / no_sync {c['ratio']:.2f}x{mark(c)}")
+    tolerance = 1e-5 * no_sync["max_abs_grad"]
+    check(checks, "no_sync_grads_equal", no_sync["max_abs_grad_diff"] <= tolerance)
+
+
+def state_bytes_of(model, optimizer):
+    """Parameters, gradients and AdamW state held on this rank (of FSDP2's DTensors: the
+    local shard)."""
+    tensors = list(model.parameters())
+    for p in model.parameters():
+        tensors.append(p.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                tensors.append(value)
     total = 0
     for t in tensors:
-        if hasattr(t, "to_local"):  # a DTensor: FSDP2's shard
+        if hasattr(t, "to_local"):  # a DTensor: FSDP2's shard of a parameter
             t = t.to_local()
         total += t.nbytes
     return total
 
-def torch_sharded_state(base, batches, device, ddp, ddp_opt):
-    # PREDICTION [5]: DDP keeps params, grads and both AdamW moments on every rank
-    # (16 bytes a param), FSDP2 1/N: it all-gathers a block's params just in time and
-    # reduce-scatters its grads. The same steps end where DDP's end.
-    from torch.distributed.fsdp import fully_shard  # FSDP2: public since torch 2.6
-    sharded = copy.deepcopy(base)
-    mesh = dist.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in sharded.transformer.h:  # an all-gather unit per block,
-        fully_shard(block, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)  # then the rest (the tied embedding and head, ln_f)
-    opt = adamw(sharded)
-    for x, y in batches:
-        train_step(sharded, opt, x, y, amp=False)
-    gathered = [p.full_tensor() for p in sharded.parameters()]
-    replicated = state_bytes(ddp.module, ddp_opt)
-    shard = state_bytes(sharded, opt)
-    return dict(max_abs_param_diff=max_diff(ddp.parameters(), gathered),
-                replicated_bytes=replicated, sharded_bytes=shard,
-                sharded_over_replicated=shard / replicated)
 
-def torch_micro_batches(sizes, rank, world, device):
-    """MICRO_STEPS batches of (inputs, targets): this rank's rows of the global batch."""
-    shape = (MICRO_STEPS, sizes.batch * world, sizes.seq_len + 1)  # alike on every rank
+def torch_sharded_state(check_model, batches, device):
+    """Predicted: DDP keeps every parameter, its gradient and AdamW's two moments on every
+    rank, 16 bytes a parameter; FSDP2 keeps 1/N of each (a shard of every parameter's
+    first dimension), all-gathering a block's parameters just before it runs and
+    reduce-scattering its gradients. The same steps end where DDP's end (fp32 rounding)."""
+    ddp = DDP(copy.deepcopy(check_model))
+    ddp_optimizer = adamw(ddp)
+    sharded = copy.deepcopy(check_model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in sharded.transformer.h:  # one all-gather per block, just in time
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)  # the rest: the tied embedding and head, ln_f
+    sharded_optimizer = adamw(sharded)
+    for x, y in batches:
+        train_step(ddp, ddp_optimizer, x, y, amp=False)
+        train_step(sharded, sharded_optimizer, x, y, amp=False)
+    gathered = [p.full_tensor() for p in sharded.parameters()]
+    shard_bytes = state_bytes_of(sharded, sharded_optimizer)
+    return dict(max_abs_param_diff=max_diff(ddp.parameters(), gathered),
+                replicated_bytes=state_bytes_of(ddp.module, ddp_optimizer),
+                sharded_bytes=across_ranks([shard_bytes], dist.ReduceOp.MAX, device)[0])
+
+
+def report_torch_sharded_state(sharded, params, world, checks, predictions):
+    predicted = 16 * params / world
+    print(f"measured: max |parameter difference| after {STEPS_CHECKED} AdamW steps, "
+          f"FSDP2 against DDP: {sharded['max_abs_param_diff']:.2e}")
+    print(f"measured: parameters + gradients + AdamW state per rank: DDP "
+          f"{sharded['replicated_bytes'] / 2**20:.2f} MiB, FSDP2 "
+          f"{sharded['sharded_bytes'] / 2**20:.2f} MiB (the largest shard)")
+    ratio = sharded["sharded_bytes"] / sharded["replicated_bytes"]
+    print(f"derived: FSDP2 / DDP {ratio:.3f}; 1/N = {1 / world:.3f}")
+    close = abs(sharded["sharded_bytes"] / predicted - 1) < 0.05
+    held(predictions, "fsdp_one_over_n", close,
+         f"{sharded['sharded_bytes'] / 2**20:.2f} MiB, predicted 16 bytes x {params} "
+         f"parameters / {world} = {predicted / 2**20:.2f} MiB")
+    check(checks, "fsdp_equals_ddp", sharded["max_abs_param_diff"] < PARAM_TOL)
+
+
+def micro_batches_of(sizes, rows, rank, world, device):
+    """MICRO_STEPS micro-batches of (inputs, targets): this rank's rows of each global
+    batch, the same random tokens on every rank."""
+    shape = (MICRO_STEPS, rows * world, sizes.seq_len + 1)
     seed = torch.Generator().manual_seed(1)
     tokens = torch.randint(sizes.vocab_size, shape, generator=seed)
     micro = []
-    for rows in tokens[:, rank::world].to(device):
-        micro.append((rows[:, :-1], rows[:, 1:]))
+    for batch in tokens[:, rank::world].to(device):
+        micro.append((batch[:, :-1], batch[:, 1:]))
     return micro
 
-def run_torch(args):
-    device, backend, name, memory = torch_start(args)
+
+def torch_half(args, device):
+    """The PyTorch half, in the section's order: each experiment, then its report."""
     rank = dist.get_rank()
     world = dist.get_world_size()
-    cuda = backend == "nccl"
-    sizes = pick_sizes(args.quick, cuda)
-    trace = args.out / f"06_ddp_trace_{args.interconnect}.json"
-    if rank != 0:  # one rank speaks and writes
-        sys.stdout = open(os.devnull, "w")
-        trace = None
+    sizes = pick_sizes(args.quick, device.type == "cuda")
+    result = torch_machine(args, sizes, device, world)
+    amp = result["device"]["bf16"]  # the timed steps in bf16 on a GPU that has it
     torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts rank 0's too)
-    base = GPT(sizes.config()).to(device)
-    exact = dataclasses.replace(sizes.config(), attn="manual")  # deterministic
-    check_base = GPT(exact).to(device)
-    micro = torch_micro_batches(sizes, rank, world, device)
-    versions = f"torch {torch.__version__} | {world} ranks, backend {backend}"
-    transport = NO_NCCL
-    if cuda:
-        transport = nccl_transport()
-    result = header(args, sizes, name, memory, versions, transport, "rank")
-    result.update(world_size=world, backend=backend)
+    model = GPT(sizes.config()).to(device)
+    check_model = GPT(sizes.config(attn="manual")).to(device)
+    micro = micro_batches_of(sizes, result["model"]["rows"], rank, world, device)
+    x, y = micro[0]
+    trace = None
+    if rank == 0:
+        trace = args.out / f"06_ddp_prod_torch{staged_suffix(args)}_trace.json"
+    tensors = len(list(model.parameters()))
+    buckets = predicted_buckets(model, None)
+    checks = {}
+    predictions = {}
 
-    checked = 3  # AdamW steps
-    param_diff, ddp, ddp_opt = torch_same_math(check_base, micro[:checked])
-    print(f"[1] max |param diff| after {checked} AdamW steps, DDP vs hand-rolled: "
-          f"{param_diff:.2e} (fp32, measured)")
-    result["equivalence"] = dict(steps=checked, max_abs_param_diff=param_diff)
+    print("\n[1] DDP against hand-rolled: the same result\npredicted: max |parameter "
+          "difference| at most 1e-5 (fp32 rounding), 0 with 2 ranks")
+    same = torch_same_result(check_model, micro[:STEPS_CHECKED])
+    report_torch_same_result(same, checks, predictions)
 
-    steps = torch_steps(base, *micro[0], cuda, sizes.caps)
-    times = exp_step_time(steps, sizes.passes, sizes.reps, device)
-    rows = {}
-    for step_name, t in times.items():
-        print(f"[2] {step_name:>11}: {time_text(t)}")
-        rows[step_name] = dict(t, name=step_name)
-        if step_name == "hand-rolled":
-            continue
-        against = "default"  # each bucket size against DDP's default,
-        if step_name == "default":
-            against = "hand-rolled"  # and that against 05's way
-        rows[step_name].update(compared(t, times[against], against))
-        print(f"[2] {step_name:>11}: {saves_text(rows[step_name], times[against])}")
-    for step_name, step in steps.items():
-        step_trace = None
-        if step_name == "default":
-            step_trace = trace
-        overlap = torch_overlap(step, device, step_trace)
-        rows[step_name].update(overlap)
-        calls = overlap["allreduce_calls_per_step"]
-        print(f"[3] {step_name:>11}: {calls:3d} all-reduces/step (counted), "
-              f"{overlap['comm_ms_per_step']:.1f} ms of communication, "
-              f"{overlap['overlap_fraction']:.0%} of it under backward "
-              f"(measured, profiler)")
-    hand = rows.pop("hand-rolled")
-    result["step_time"] = dict(handrolled=hand, ddp=rows["default"])
-    result["bucket_sweep"] = list(rows.values())
-    print(f"trace of the default buckets, {PROFILED_STEPS} steps (ui.perfetto.dev): "
-          f"{trace}")
+    print(f"\n[2] DDP against hand-rolled: step time, and why\npredicted: DDP faster, "
+          f"{speedup_expected(device, result['interconnect']['staged'])}")
+    print(f"predicted: all-reduces a step {tensors} -> {buckets}; overlap with backward "
+          f"0% -> over 10% (with 2 buckets or more)")
+    step_time = torch_step_time(model, x, y, amp, sizes.reps, device, trace)
+    report_torch_step_time(step_time, tensors, buckets, trace, predictions)
 
-    no_sync_ddp = DDP(copy.deepcopy(base))
-    no_sync = torch_no_sync(no_sync_ddp, micro)
-    print(f"[4] gradients, no_sync vs the trap (which syncs every micro-batch): "
-          f"max |diff| {no_sync['max_abs_grad_diff']:.2e} of max |grad| "
-          f"{no_sync['max_abs_grad']:.2e} (measured)")
-    loops = dict(no_sync=accumulate_no_sync, backward_only_in_no_sync=accumulate_trap)
-    accumulations = {}
-    for loop_name, loop in loops.items():
-        accumulations[loop_name] = partial(loop, no_sync_ddp, micro, cuda)
-    times = exp_step_time(accumulations, sizes.passes, 1, device)
-    trap = times["backward_only_in_no_sync"]
-    times["no_sync"].update(compared(times["no_sync"], trap, "backward_only_in_no_sync"))
-    for loop_name, accumulate in accumulations.items():
-        counted = torch_overlap(accumulate, device)  # after the timing: buckets settled
-        calls = counted["allreduce_calls_per_step"]
-        no_sync[loop_name] = dict(times[loop_name], allreduce_calls=calls)
-        print(f"[4] {loop_name:24s}: {calls:3d} all-reduces for {MICRO_STEPS} "
-              f"micro-batches (counted), {time_text(times[loop_name])}")
-    print(f"[4] no_sync: {saves_text(times['no_sync'], trap)}")
-    result["no_sync"] = no_sync
+    print("\n[3] bucket_cap_mb swept\npredicted: the all-reduces predicted_buckets counts; "
+          "one bucket for all gradients overlaps almost nothing")
+    sweep = torch_bucket_sweep(model, x, y, amp, sizes.caps, sizes.reps, device)
+    report_torch_bucket_sweep(sweep, predictions)
 
-    fsdp = torch_sharded_state(check_base, micro[:checked], device, ddp, ddp_opt)
-    print(f"[5] max |param diff| after {checked} AdamW steps, FSDP2 vs DDP: "
-          f"{fsdp['max_abs_param_diff']:.2e} (fp32, measured)")
-    replicated_mib = fsdp["replicated_bytes"] / 2**20
-    sharded_mib = fsdp["sharded_bytes"] / 2**20
-    print(f"[5] params + grads + AdamW state per rank: replicated {replicated_mib:.2f} "
-          f"MiB, FSDP2 {sharded_mib:.2f} MiB (measured); FSDP2 / replicated "
-          f"{fsdp['sharded_over_replicated']:.3f} (derived), 1/N = {1 / world:.3f}")
-    result["fsdp"] = fsdp
+    print(f"\n[4] no_sync under gradient accumulation, {MICRO_STEPS} micro-batches\n"
+          f"predicted: all-reduces {buckets}, not {MICRO_STEPS * buckets}; the same "
+          f"gradients; faster")
+    no_sync = torch_no_sync(model, micro, amp, sizes.reps, device)
+    report_torch_no_sync(no_sync, buckets, checks, predictions)
 
-    calls = no_sync["no_sync"]["allreduce_calls"]
-    trap_calls = no_sync["backward_only_in_no_sync"]["allreduce_calls"]
-    grad_tol = 1e-5 * no_sync["max_abs_grad"]
-    bytes_share = fsdp["sharded_over_replicated"] * world
-    result["checks"] = dict(
-        ddp_equals_handrolled=param_diff < PARAM_TOL,
-        no_sync_grads_equal=no_sync["max_abs_grad_diff"] <= grad_tol,
-        no_sync_allreduces_once=calls == rows["default"]["allreduce_calls_per_step"],
-        trap_allreduces_every_backward=trap_calls == MICRO_STEPS * calls,
-        fsdp_matches_ddp=fsdp["max_abs_param_diff"] < PARAM_TOL,
-        fsdp_bytes_about_1_over_n=abs(bytes_share - 1) < 0.05)
-    return result, rank == 0
+    params = param_count(check_model.config)
+    print(f"\n[5] The bridge: FSDP2 shards the state\npredicted: 1/{world} of "
+          f"{16 * params / 2**20:.2f} MiB per rank; the same parameters as DDP")
+    sharded = torch_sharded_state(check_model, micro[:STEPS_CHECKED], device)
+    report_torch_sharded_state(sharded, params, world, checks, predictions)
+
+    timings = dict(step_time=step_time["timing"], no_sync=no_sync["timing"])
+    for row in sweep:
+        timings[f"bucket_cap_mb {row['bucket_cap_mb']:g}"] = row["timing"]
+    result.update(same_result=same, step_time=step_time, bucket_sweep=sweep,
+                  no_sync=no_sync, sharded_state=sharded, checks=checks,
+                  predictions=predictions,
+                  predicted_calls={"hand-rolled": tensors, "DDP": buckets})
+    return with_busy(result, timings)
+
+
+def speedup_expected(device, staged):
+    if device.type == "cpu":
+        return "on a CPU 1.0-1.3x, by fewer calls"
+    if staged:
+        return "staged through host memory ~1.2x"
+    return "with peer-to-peer by a few percent"
+
+
+
 
 # ---------------------------------------------------------------------------------------
 # JAX: one process sees every device; jit inserts the collectives the shardings imply.
 
-def use_cpu_devices():
-    """Before JAX starts: XLA's count of simulated CPU devices, added to the user's
-    XLA_FLAGS when they name none. Returns the count asked for, and whether we added it."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    named = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", flags)
-    if named:
-        return int(named.group(1)), False
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={CPU_DEVICES}".strip()
-    return CPU_DEVICES, True
+@dataclasses.dataclass
+class Program:
+    """One placement of the training step: compiled for its shardings, with its placed
+    state, its placed batches and the losses of its first two steps."""
+    compiled: object  # jax.stages.Compiled
+    state: object     # the (model, optimizer) state, placed
+    batches: list     # [(inputs, targets)], placed
+    losses: list
 
-def jax_start(args):
-    """The first JAX call. Returns the devices, and whether they are GPUs."""
-    asked, added = use_cpu_devices()
-    if args.device == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    use_interconnect(args.interconnect)  # XLA's GPU collectives go through NCCL too
-    import jax
-    gpu = jax.default_backend() == "gpu"
-    n = jax.device_count()
-    if args.device == "cuda" and not gpu:
-        sys.exit("error: --device cuda: JAX sees no GPU (install jax[cuda13], "
-                 "or use --device cpu)")
-    if not gpu and added:
-        print(f"XLA_FLAGS: added {DEVICE_COUNT_FLAG}={CPU_DEVICES} ({asked} CPU devices)")
-    if not gpu and n != asked:
-        sys.exit(f"error: JAX sees {n} CPU devices where XLA_FLAGS asks for {asked}: "
-                 f"set XLA_FLAGS before anything starts JAX")
-    if n < 2:
-        sys.exit(f"error: JAX sees 1 device: data parallelism needs 2 or more; on a CPU: "
-                 f"XLA_FLAGS={DEVICE_COUNT_FLAG}=4 python 06_ddp_prod.py --device cpu")
-    return jax.devices(), gpu
+    def step(self):
+        return jax.block_until_ready(self.compiled(self.state, *self.batches[0]))
 
-def largest_divisible(array, mesh):
-    """The bridge: split an array along its largest dimension that N divides (else
-    keep it whole on every device)."""
-    from jax.sharding import NamedSharding, PartitionSpec
+
+def compile_placement(step, state, shardings, rows, data):
+    """The step compiled for one placement (`shardings`: every state array's; `rows`: the
+    batch's), run for two steps from the same start."""
+    placed = jax.device_put(state, shardings)
+    batches = []
+    for tokens in data:
+        x = jax.device_put(tokens[:, :-1], rows)
+        y = jax.device_put(tokens[:, 1:], rows)
+        batches.append((x, y))
+    compiled = step.lower(placed, *batches[0]).compile()
+    first_loss, after = compiled(placed, *batches[0])
+    second_loss, _ = compiled(jax.device_put(after, shardings), *batches[1])
+    return Program(compiled, placed, batches, [float(first_loss), float(second_loss)])
+
+
+def collectives_in(program):
+    """The collectives in the compiled program's text, counted, and its first all-reduce."""
+    text = program.compiled.as_text()
+    counts = {}
+    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        counts[kind] = len(re.findall(rf"\s{kind}(?:-start)?\(", text))
+    lines = re.findall(r"\S.*\sall-reduce(?:-start)?\(.*", text)
+    example = ""
+    if lines:
+        example = lines[0][:150]
+    return counts, example
+
+
+def named_counts(counts):
+    found = []
+    for kind, count in counts.items():
+        if count > 0:
+            found.append(f"{kind} x{count}")
+    if not found:
+        return "none"
+    return ", ".join(found)
+
+
+def relative_diff(losses, reference):
+    diffs = []
+    for a, b in zip(losses, reference):
+        diffs.append(abs(a - b) / abs(b))
+    return max(diffs)
+
+
+def jax_same_result(one_device, data_parallel):
+    """Predicted: one device's program has no collectives. Split the batch's rows over
+    the 'data' axis, keep the parameters whole on every device, and jit works out that a
+    parameter's gradient is now a sum over the devices: it inserts all-reduces (XLA's
+    combiner merges them into a few, its buckets). The two steps' losses equal one
+    device's to fp32 rounding (~1e-6 relative; a sum missed or doubled: ~1e-2)."""
+    one_counts, _ = collectives_in(one_device)
+    counts, example = collectives_in(data_parallel)
+    return dict(one_device_collectives=one_counts, collectives=counts,
+                allreduce_example=example, one_device_losses=one_device.losses,
+                losses=data_parallel.losses,
+                max_rel_loss_diff=relative_diff(data_parallel.losses, one_device.losses))
+
+
+def report_jax_same_result(same, checks, predictions):
+    print(f"measured: collectives in the compiled programs (counted in their text): one "
+          f"device {named_counts(same['one_device_collectives'])}; data parallel "
+          f"{named_counts(same['collectives'])}")
+    print(f"  the first: {same['allreduce_example']} ...")
+    one = same["one_device_losses"]
+    print(f"measured: losses of 2 AdamW steps: one device {one[0]:.6f}, {one[1]:.6f}; "
+          f"data parallel {same['losses'][0]:.6f}, {same['losses'][1]:.6f}")
+    diff = same["max_rel_loss_diff"]
+    print(f"derived: max relative difference {diff:.1e}")
+    inserted = same["collectives"]["all-reduce"]
+    alone = same["one_device_collectives"]["all-reduce"]
+    held(predictions, "jit_inserts_allreduce", inserted > 0 and alone == 0 and diff < 1e-5,
+         f"all-reduces inserted {inserted}, on one device {alone}; losses {diff:.1e} apart")
+    check(checks, "data_parallel_loss_equals_one_device", diff < LOSS_TOL)
+    check(checks, "allreduce_in_compiled_text", "all-reduce" in same["allreduce_example"])
+
+
+def jax_step_time(one_device, data_parallel, reps):
+    """Predicted: one device runs the rows of N; the mesh gives each device 1/N of them.
+    On N GPUs with peer-to-peer, faster, by less than N x: every device still runs the
+    whole AdamW update, smaller matmuls run less efficiently, and the all-reduce of the
+    gradients (~1-2 ms for GPT-2 over NVLink) comes on top. Staged through host memory,
+    that all-reduce (~18 ms for GPT-2) eats the gain: ~1.0x. On a CPU the simulated
+    devices share the same cores: no faster."""
+    steps = {"one device": one_device.step, "data parallel": data_parallel.step}
+    timing = timed(steps, reps)
+    return dict(timing=timing, compared=compared(timing, "one device", "data parallel"))
+
+
+def report_jax_step_time(step_time, expect_faster, predictions):
+    print_time(step_time["timing"], "one device", "one device, all the rows")
+    print_time(step_time["timing"], "data parallel", "data parallel, 1/N of them each")
+    c = step_time["compared"]
+    print_comparison(c, "one device", "data parallel")
+    expected = "no faster"
+    if expect_faster:
+        expected = "faster"
+    ok = faster(c) == expect_faster
+    if c["busy"]:
+        ok = False  # a busy machine decides nothing
+    held(predictions, "data_parallel_step_time", ok,
+         f"predicted {expected}: one device / data parallel {c['ratio']:.2f}x{mark(c)}")
+
+
+def split_largest_divisible(array, mesh):
+    """The bridge's placement of one array: split over 'data' along its largest
+    dimension that N divides; an array with none stays whole on every device."""
     by_size = sorted(range(array.ndim), key=lambda dim: -array.shape[dim])
     for dim in by_size:
         if array.shape[dim] % mesh.size == 0:
@@ -552,246 +853,364 @@ def largest_divisible(array, mesh):
             return NamedSharding(mesh, PartitionSpec(*axes))
     return NamedSharding(mesh, PartitionSpec())
 
-def jax_placements(devices, state):
-    """Each placement: the sharding of every state array, and of the batch's rows."""
-    import jax
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec, SingleDeviceSharding
-    mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,))
-    one = SingleDeviceSharding(devices[0])
-    replicated = NamedSharding(mesh, PartitionSpec())
-    by_rows = NamedSharding(mesh, PartitionSpec("data"))
-    single_device = jax.tree.map(lambda a: one, state)
-    data_parallel = jax.tree.map(lambda a: replicated, state)
-    sharded_params = jax.tree.map(partial(largest_divisible, mesh=mesh), state)
-    return dict(single_device=(single_device, one),
-                data_parallel=(data_parallel, by_rows),
-                sharded_params=(sharded_params, by_rows))
 
-def jax_same_math(step, state, shardings, rows, data):
-    # PREDICTION [1]: data parallel: a replicated parameter's gradient over a sharded
-    # batch is a sum over the shards: XLA inserts an all-reduce, and two steps' losses
-    # equal one device's to fp32 rounding (1e-4 relative; a sum missed or doubled
-    # moves them further).
-    import jax
-    placed = jax.device_put(state, shardings)
-    batches = []
-    for tokens in data:
-        x = jax.device_put(tokens[:, :-1], rows)
-        y = jax.device_put(tokens[:, 1:], rows)
-        batches.append((x, y))
-    compiled = step.lower(placed, *batches[0]).compile()
-    loss, after = compiled(placed, *batches[0])
-    second_loss, _ = compiled(jax.device_put(after, shardings), *batches[1])
-    run = partial(jax_step, compiled, placed, *batches[0])
-    return compiled, placed, run, [float(loss), float(second_loss)]
-
-def jax_step(compiled, state, x, y):
-    import jax
-    return jax.block_until_ready(compiled(state, x, y))
-
-def jax_collectives(text):
-    """The collectives in a compiled program's text, counted; its first all-reduce."""
-    counts = {}
-    for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
-        counts[kind] = len(re.findall(rf"\s{kind}(?:-start)?\(", text))
-    example = ""
-    lines = re.findall(r"\S.*\sall-reduce(?:-start)?\(.*", text)
-    if lines:
-        example = lines[0][:150]
-    return counts, example
-
-def jax_sharded_state(placed, device):
-    # PREDICTION [5]: sharded params: all-gathers and reduce-scatters, and on each
-    # device 1/N of the bytes of every array that N divides, the rest whole.
-    import jax
-    leaves = jax.tree.leaves(placed)
-    n = jax.device_count()
-    total = sum(a.nbytes for a in leaves)
-    split = sum(a.nbytes for a in leaves if not a.sharding.is_fully_replicated)
-    mine = 0
-    for a in leaves:
-        for shard in a.addressable_shards:
+def bytes_on(program, device):
+    """The bytes of the state's shards that live on `device`."""
+    total = 0
+    for array in jax.tree.leaves(program.state):
+        for shard in array.addressable_shards:
             if shard.device == device:
-                mine += shard.data.nbytes
-    return dict(state_bytes_per_device=mine, sharded_share=split / total,
-                expected_bytes_per_device=total - split + split // n)
+                total += shard.data.nbytes
+    return total
 
-def run_jax(args):
-    devices, gpu = jax_start(args)
-    import flax
-    import jax
-    import numpy as np
-    from flax import nnx
-    from model_jax import GPT as JaxGPT, adamw as jax_adamw, make_train_step
+
+def jax_sharded_state(data_parallel, sharded, one_device, devices):
+    """Predicted: replicated, every device holds the parameters and both AdamW moments,
+    12 bytes a parameter. Split over 'data', each array that N divides holds 1/N of its
+    bytes per device and the rest stays whole: the bytes per device follow from the
+    shapes. jit now all-gathers the parameters before use and reduce-scatters the
+    gradients (a CPU may lower them to all-reduces); the losses are one device's."""
+    split = 0
+    whole = 0
+    for array in jax.tree.leaves(sharded.state):
+        if array.sharding.is_fully_replicated:
+            whole += array.nbytes
+        else:
+            split += array.nbytes
+    counts, _ = collectives_in(sharded)
+    return dict(replicated_bytes=bytes_on(data_parallel, devices[0]),
+                sharded_bytes=bytes_on(sharded, devices[0]),
+                predicted_bytes=whole + split // len(devices),
+                split_share=split / (split + whole), collectives=counts,
+                losses=sharded.losses,
+                max_rel_loss_diff=relative_diff(sharded.losses, one_device.losses))
+
+
+def report_jax_sharded_state(sharded, n, checks, predictions):
+    print(f"measured: collectives in the compiled program: "
+          f"{named_counts(sharded['collectives'])} (counted)")
+    print(f"measured: parameters + AdamW state per device: replicated "
+          f"{sharded['replicated_bytes'] / 2**20:.2f} MiB, split "
+          f"{sharded['sharded_bytes'] / 2**20:.2f} MiB")
+    ratio = sharded["sharded_bytes"] / sharded["replicated_bytes"]
+    print(f"derived: split / replicated {ratio:.3f}; 1/N = {1 / n:.3f}; "
+          f"{sharded['split_share']:.1%} of the bytes have a dimension that {n} divides")
+    diff = sharded["max_rel_loss_diff"]
+    print(f"measured: losses {sharded['losses'][0]:.6f}, {sharded['losses'][1]:.6f}; "
+          f"derived: max relative difference from one device {diff:.1e}")
+    as_predicted = sharded["sharded_bytes"] == sharded["predicted_bytes"]
+    held(predictions, "split_bytes_as_predicted", as_predicted,
+         f"{sharded['sharded_bytes'] / 2**20:.2f} MiB per device, predicted "
+         f"{sharded['predicted_bytes'] / 2**20:.2f} from the shapes")
+    check(checks, "split_loss_equals_one_device", diff < LOSS_TOL)
+    check(checks, "split_bytes_match_shardings", as_predicted)
+
+
+def jax_half(args, devices):
+    """The JAX half, in the section's order: each experiment, then its report."""
     n = len(devices)
+    gpu = devices[0].platform == "gpu"
     sizes = pick_sizes(args.quick, gpu)
-    if gpu:
-        sizes = dataclasses.replace(sizes, batch=4)  # one device will run n x 4 rows
-    memory = HOST_MEMORY
-    stats = devices[0].memory_stats()
-    if stats is not None:  # a GPU: JAX's pool
-        memory = stats.get("bytes_limit", HOST_MEMORY)
-    versions = f"jax {jax.__version__}, flax {flax.__version__}"
-    transport = NO_NCCL
-    if gpu:
-        transport = nccl_transport()
-    machine = f"{n} x {devices[0].device_kind}"
-    per = "device; fp32 (a GPU: JAX's TF32 matmuls)"
-    result = header(args, sizes, machine, memory, versions, transport, per)
-    result["n_devices"] = n
-    model = JaxGPT(sizes.config(), rngs=nnx.Rngs(0))  # fp32 on both sides of the check
+    result = jax_machine(args, sizes, devices)
+    rows = result["model"]["rows"]
+    model = JaxGPT(sizes.config(), rngs=nnx.Rngs(0))  # fp32 on both sides of every check
     optimizer = nnx.Optimizer(model, jax_adamw(LR), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
-    state = jax.device_get(state)
+    state = jax.device_get(state)  # on the host: each placement puts it on its devices
     step = make_train_step(graphdef)
-    rng = np.random.default_rng(1)
-    shape = (n * sizes.batch, sizes.seq_len + 1)
+    generator = np.random.default_rng(1)
     data = []
     for _ in range(2):
-        data.append(rng.integers(0, sizes.vocab_size, shape, dtype=np.int32))
+        shape = (n * rows, sizes.seq_len + 1)
+        data.append(generator.integers(0, sizes.vocab_size, shape, dtype=np.int32))
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+    one = SingleDeviceSharding(devices[0])
+    whole = NamedSharding(mesh, PartitionSpec())  # the same array on every device
+    by_rows = NamedSharding(mesh, PartitionSpec("data"))  # rows split over the devices
+    checks = {}
+    predictions = {}
 
-    print("compiling the step for 3 placements (GPT-2: tens of seconds)")
-    steps = {}
-    for name, (shardings, rows) in jax_placements(devices, state).items():
-        compiled, placed, run, losses = jax_same_math(step, state, shardings, rows, data)
-        steps[name] = run
-        counts, example = jax_collectives(compiled.as_text())
-        placement = dict(losses=losses, collectives=counts, allreduce_example=example)
-        placement.update(jax_sharded_state(placed, devices[0]))
-        result[name] = placement
-        reference = result["single_device"]["losses"]
-        relative = [abs(a - b) / abs(b) for a, b in zip(losses, reference)]
-        placement["max_rel_loss_diff"] = max(relative)
-        found = [f"{kind} x{count}" for kind, count in counts.items() if count > 0]
-        if not found:
-            found = ["none"]
-        print(f"[{name}] collectives in the compiled program: {', '.join(found)}")
-        if example and name == "data_parallel":
-            print(f"    {example} ...  (jit put it there; XLA's buckets)")
-        print(f"    losses {losses[0]:.6f}, {losses[1]:.6f} (measured); against one "
-              f"device: max relative diff {max(relative):.1e} (derived)")
-        mib = placement["state_bytes_per_device"] / 2**20
-        print(f"    params + AdamW state {mib:.2f} MiB/device (measured)")
+    print("\n[1] jit on a Mesh: the collectives it inserts, the same result\npredicted: "
+          "all-reduces in the data-parallel program, none on one device; losses 1e-5 apart "
+          "at most")
+    one_device = compile_placement(step, state, jax.tree.map(lambda a: one, state), one, data)
+    data_parallel = compile_placement(step, state, jax.tree.map(lambda a: whole, state),
+                                      by_rows, data)
+    same = jax_same_result(one_device, data_parallel)
+    report_jax_same_result(same, checks, predictions)
+    transport = nccl_transport(args, gpu)  # once a collective has run
+    result["interconnect"].update(transport=transport, staged=staged(args, transport))
 
-    # PREDICTION [2]: one device does the rows of N: data parallel is ~2x faster over
-    # NVLink (1-2 ms of all-reduce), less staged (10-20 ms), and on a CPU not at all:
-    # the simulated devices share its cores.
-    times = exp_step_time(steps, sizes.passes, sizes.reps)
-    for name, t in times.items():
-        print(f"[{name}] step {time_text(t)}")
-        if name != "single_device":
-            t.update(compared(t, times["single_device"], "single_device"))
-            print(f"[{name}] {saves_text(t, times['single_device'])}")
-        result[name]["step"] = t
+    expect_faster = False
+    expected = "no faster (~1.0x)"
+    if gpu and not result["interconnect"]["staged"]:
+        expect_faster = True
+        expected = f"faster, by less than {n}x"
+    print(f"\n[2] Data parallel against one device: step time\npredicted: {expected}")
+    step_time = jax_step_time(one_device, data_parallel, sizes.reps)
+    report_jax_step_time(step_time, expect_faster, predictions)
 
-    dp = result["data_parallel"]
-    sharded = result["sharded_params"]
-    ratio = sharded["state_bytes_per_device"] / dp["state_bytes_per_device"]
-    print(f"sharded / replicated bytes per device: {ratio:.3f} (derived; 1/N = "
-          f"{1 / n:.3f}; {sharded['sharded_share']:.1%} of the bytes have a dimension "
-          f"that {n} divides)")
-    result["sharded_over_replicated"] = ratio
-    bytes_match = []
-    for name in ("single_device", "data_parallel", "sharded_params"):
-        p = result[name]
-        bytes_match.append(p["state_bytes_per_device"] == p["expected_bytes_per_device"])
-    result["checks"] = dict(
-        data_parallel_loss_equals_single_device=dp["max_rel_loss_diff"] < 1e-4,
-        sharded_params_loss_equals_single_device=sharded["max_rel_loss_diff"] < 1e-4,
-        sharded_bytes_match_shardings=all(bytes_match),
-        allreduce_in_compiled_text="all-reduce" in dp["allreduce_example"])
-    return result, True
+    print(f"\n[3] The bridge: the parameters and AdamW state split over 'data'\npredicted: "
+          f"1/{n} of every array that {n} divides, per device; the same losses")
+    split = jax.tree.map(partial(split_largest_divisible, mesh=mesh), state)
+    sharded_program = compile_placement(step, state, split, by_rows, data)
+    sharded = jax_sharded_state(data_parallel, sharded_program, one_device, devices)
+    report_jax_sharded_state(sharded, n, checks, predictions)
+
+    result.update(same_result=same, step_time=step_time, sharded_state=sharded,
+                  checks=checks, predictions=predictions)
+    return with_busy(result, dict(step_time=step_time["timing"]))
+
 
 # ---------------------------------------------------------------------------------------
-# Flags, outputs, and the run.
+# The machine: its devices, the sizes that fit them, the interconnect; flags and files.
 
-def writable_folder(folder):
-    """Make the folder now and write a file in it: a bad path fails before the run."""
-    if folder.exists() and not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{folder} is a file, not a folder")
+def pick_sizes(quick, gpu):
+    if quick:
+        return QUICK
+    if gpu:
+        return GPU
+    return CPU
+
+
+def rows_that_fit(config, rows, memory_bytes, held_bytes, devices=1):
+    """Sequences per device: `rows`, halved until one device fits the step over all
+    `devices`' rows (JAX's one-device reference runs them all) by model_torch's predicted
+    peak x ALLOCATOR_HEADROOM, beside `held_bytes` of other models' state."""
+    while rows > 1:
+        peak = predicted_peak_bytes(config, rows * devices)
+        if ALLOCATOR_HEADROOM * peak + held_bytes <= memory_bytes:
+            break
+        rows //= 2
+    return rows
+
+
+def has_bf16_tensor_cores(device):
+    """bf16 tensor cores came with compute capability 8.0 (A100); a T4 or V100 has none."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def staged_suffix(args):
+    if args.interconnect == "staged":
+        return "_staged"
+    return ""
+
+
+def use_interconnect(args, log):
+    """Before NCCL starts (torch's process group, or JAX's first GPU collective): NCCL's
+    log into --out/`log`, unless the user set one, to name the transport it chose;
+    'staged' turns peer-to-peer off, so GPU-to-GPU bytes go through host memory."""
+    if args.interconnect == "staged":
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+    os.environ.setdefault("NCCL_DEBUG", "INFO")
+    os.environ.setdefault("NCCL_DEBUG_FILE", str(args.out / log))
+
+
+def nccl_transport(args, gpu):
+    """The transports NCCL's log names once a collective has run: P2P/... peer to peer,
+    SHM/... through host memory, NET/... between machines."""
+    if not gpu:
+        return "none, gloo on the CPU (--interconnect changes nothing here)"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot write in {folder}: {error.strerror}")
-    return folder
+        text = Path(os.environ["NCCL_DEBUG_FILE"]).read_text()
+    except OSError:
+        return "not reported"
+    transports = sorted(set(re.findall(r" via (\S+)", text)))
+    if not transports:
+        return "not reported"
+    return ", ".join(transports)
 
-def json_file(text):
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path")
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
-    writable_folder(path.parent)
-    return path
 
-def out_folder(text):
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path")
-    return writable_folder(Path(text))
+def staged(args, transport):
+    """GPU-to-GPU bytes through host memory: asked for, or NCCL found no peer-to-peer
+    path (a PCIe box without P2P, like the book's)."""
+    if args.interconnect == "staged":
+        return True
+    return "SHM" in transport or "NET" in transport
 
-def parse_args(argv=None):
-    launched = "jax"
-    if "RANK" in os.environ:  # torchrun sets RANK
-        launched = "torch"
-    p = argparse.ArgumentParser(description="Section 13.6: production data parallelism")
-    p.add_argument("--framework", choices=["torch", "jax"], default=launched)
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--interconnect", choices=["default", "staged"], default="default")
-    p.add_argument("--quick", action="store_true", help="a smoke run of seconds")
-    p.add_argument("--json", type=json_file, help="write every number here")
-    p.add_argument("--out", type=out_folder, default="out", help="folder for the trace")
-    args = p.parse_args(argv)
-    if args.framework != launched:
-        p.exit(2, "The PyTorch half: torchrun --nproc_per_node=N --standalone "
-               "06_ddp_prod.py\nThe JAX half is ONE process: "
-               "python 06_ddp_prod.py --framework jax\n")
-    return args
 
-def peer_failure(error):
-    """A collective that could not finish: no rendezvous, a peer gone, a timeout.
-    torch names them DistError; gloo raises them as RuntimeErrors that name gloo."""
-    return isinstance(error, dist.DistError) or "gloo" in str(error)
+def torch_start(args):
+    """One process per device, nanoGPT's way: torchrun's variables say which. NCCL when
+    every rank on this machine has a GPU of its own (NCCL refuses two ranks on one GPU),
+    else gloo on the CPU."""
+    rank = int(os.environ["RANK"])
+    ranks_here = int(os.environ["LOCAL_WORLD_SIZE"])
+    if int(os.environ["WORLD_SIZE"]) < 2:
+        sys.exit("error: 1 rank: data parallelism needs 2 or more: torchrun --standalone "
+                 "--nproc_per_node=2 06_ddp_prod.py (one GPU or none: on the CPU)")
+    gpus = 0
+    if args.device != "cpu":
+        gpus = torch.cuda.device_count()
+    if args.device == "cuda" and gpus < ranks_here:
+        if rank > 0:
+            sys.exit(1)  # rank 0 says why
+        sys.exit(f"error: --device cuda: {ranks_here} ranks here and {gpus} GPUs, and NCCL "
+                 f"needs a GPU per rank: fewer ranks (--nproc_per_node), or --device cpu")
+    if gpus < ranks_here:
+        if gpus > 0 and rank == 0:
+            print(f"{ranks_here} ranks here and {gpus} GPU: NCCL needs a GPU per rank, so "
+                  f"the ranks run on the CPU, with gloo")
+        dist.init_process_group("gloo", timeout=TIMEOUT)  # main() destroys it
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    use_interconnect(args, f"06_ddp_prod_torch{staged_suffix(args)}_nccl_rank{rank}.log")
+    dist.init_process_group("nccl", timeout=TIMEOUT)  # main() destroys it
+    dist.all_reduce(torch.ones(1, device=device))  # the first collective: NCCL connects
+    return device
+
+
+def torch_machine(args, sizes, device, world):
+    """Say what this run found; the rows per rank that fit its memory."""
+    cuda = device.type == "cuda"
+    name = "CPU"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    versions = f"torch {torch.__version__}, gloo"
+    bf16 = False
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        memory = torch.cuda.get_device_properties(device).total_memory
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+        versions = f"torch {torch.__version__}, NCCL {nccl}"
+        bf16 = has_bf16_tensor_cores(device)
+    check_config = sizes.config(attn="manual")  # the largest step: fp32, T x T scores
+    params = param_count(check_config)
+    held_bytes = 28 * params  # a second replica (16 B/param + DDP's 4) and 2 models' weights
+    rows = rows_that_fit(check_config, sizes.rows, memory, held_bytes)
+    need = ALLOCATOR_HEADROOM * predicted_peak_bytes(check_config, rows) + held_bytes
+    transport = nccl_transport(args, cuda)
+    print("the PyTorch half (the JAX half is one process: python 06_ddp_prod.py)")
+    if cuda:
+        print(f"device: {world} ranks, one {name} ({memory / 2**30:.0f} GiB) each | {versions}")
+    else:
+        print(f"device: CPU ({memory / 2**30:.0f} GiB), {world} ranks on its cores | {versions}")
+    print(f"interconnect: {args.interconnect}; NCCL reports: {transport}")
+    if cuda and not bf16:
+        print("no bf16 tensor cores (compute capability < 8.0): the timed steps run fp32")
+    print(f"model: {sizes.preset}, n_layer {sizes.n_layer}, vocab {sizes.vocab_size}; "
+          f"{rows} x {sizes.seq_len} tokens per rank")
+    if cuda:
+        print(f"memory: {need / 2**30:.1f} of {memory / 2**30:.0f} GiB per GPU predicted "
+              f"(model_torch's accounting, the fp32 check model and a second replica)")
+    return dict(lesson="06_ddp_prod", framework="torch", quick=args.quick, world_size=world,
+                device=dict(name=name, kind=device.type, memory_bytes=memory,
+                            versions=versions, bf16=bf16),
+                interconnect=dict(name=args.interconnect, transport=transport,
+                                  staged=staged(args, transport)),
+                model=dict(dataclasses.asdict(sizes), rows=rows, params=params))
+
+
+def jax_start(args):
+    """The one process's devices, chosen before JAX's first call. On a CPU XLA simulates
+    CPU_DEVICES devices (jax_num_cpu_devices), unless the user's environment names a
+    count (XLA_FLAGS or JAX_NUM_CPU_DEVICES); the user's XLA_FLAGS stay as they are."""
+    if args.device == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    named = DEVICE_COUNT_FLAG in os.environ.get("XLA_FLAGS", "")
+    if not named and "JAX_NUM_CPU_DEVICES" not in os.environ:
+        jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    use_interconnect(args, f"06_ddp_prod_jax{staged_suffix(args)}_nccl.log")  # XLA's too
+    devices = jax.devices()
+    gpu = devices[0].platform == "gpu"
+    if args.device == "cuda" and not gpu:
+        sys.exit("error: --device cuda: JAX sees no GPU (install jax[cuda13]), or run "
+                 "--device cpu")
+    if len(devices) == 1 and gpu:
+        sys.exit("error: JAX sees 1 GPU: data parallelism needs 2 devices or more; on this "
+                 "machine, simulated CPU devices: python 06_ddp_prod.py --device cpu")
+    if len(devices) == 1:
+        sys.exit(f"error: JAX sees 1 CPU device: data parallelism needs 2 or more; set "
+                 f"{DEVICE_COUNT_FLAG}=4 in XLA_FLAGS, or JAX_NUM_CPU_DEVICES=4")
+    return devices
+
+
+def jax_machine(args, sizes, devices):
+    """Say what this run found; the rows per device that let one device run all of them
+    (the reference the others are checked against)."""
+    n = len(devices)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    stats = devices[0].memory_stats()
+    if stats is not None:  # a GPU: the pool JAX may use (75% of the card by default)
+        memory = stats["bytes_limit"]
+    versions = f"jax {jax.__version__}, flax {flax.__version__}"
+    xla_flags = os.environ.get("XLA_FLAGS", "(none)")
+    config = sizes.config(attn="manual")  # XLA's fp32 attention writes the T x T scores
+    params = param_count(config)
+    held_bytes = 24 * params  # two other placements' parameters and moments on device 0
+    rows = rows_that_fit(config, sizes.rows, memory, held_bytes, devices=n)
+    need = ALLOCATOR_HEADROOM * predicted_peak_bytes(config, rows * n) + held_bytes
+    print("the JAX half (the PyTorch half: torchrun --standalone --nproc_per_node=2 "
+          "06_ddp_prod.py)")
+    print(f"device: {n} x {devices[0].device_kind} ({memory / 2**30:.0f} GiB for JAX) | "
+          f"{versions}")
+    print(f"XLA_FLAGS: {xla_flags}; interconnect: {args.interconnect}")
+    print(f"model: {sizes.preset}, n_layer {sizes.n_layer}, vocab {sizes.vocab_size}, fp32 "
+          f"(a GPU: JAX's TF32 matmuls); {rows} x {sizes.seq_len} tokens per device")
+    if devices[0].platform == "gpu":
+        print(f"memory: all {n * rows} rows on one GPU, the reference: {need / 2**30:.1f} "
+              f"of {memory / 2**30:.0f} GiB predicted (model_torch's accounting)")
+    return dict(lesson="06_ddp_prod", framework="jax", quick=args.quick, n_devices=n,
+                device=dict(name=devices[0].device_kind, kind=devices[0].platform,
+                            memory_bytes=memory, versions=versions, xla_flags=xla_flags),
+                interconnect=dict(name=args.interconnect),
+                model=dict(dataclasses.asdict(sizes), rows=rows, params=params))
+
+
+def with_busy(result, timings):
+    """machine_busy and cpu_shares, from every timed experiment; one line if busy."""
+    busy = []
+    shares = []
+    for name, timing in timings.items():
+        shares += timing["shares"]
+        if timing["busy"]:
+            busy.append(name)
+    result.update(machine_busy=len(busy) > 0, cpu_shares=shares)
+    if busy:
+        print(f"\nmachine busy: other programs took the CPU during {', '.join(busy)}; "
+              f"the marked numbers are not findings")
+    return result
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run (the tests)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--out", type=Path, default=Path("out"), help="trace and NCCL logs")
+    parser.add_argument("--interconnect", choices=["default", "staged"], default="default",
+                        help="staged: GPU-to-GPU bytes through host memory (NCCL, no P2P)")
+    if int(os.environ.get("RANK", "0")) > 0:  # rank 0 prints a bad flag's message; the others exit 2 quietly
+        with contextlib.redirect_stderr(io.StringIO()):
+            return parser.parse_args()
+    return parser.parse_args()
+
 
 def main():
     args = parse_args()
-    sys.stdout.reconfigure(line_buffering=True)  # each line as measured, into a pipe too
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler start/stop lines
-    warnings.filterwarnings("ignore", message=".*Profiler clears events")  # we read each
-    run = run_jax
-    if args.framework == "torch":
-        run = run_torch  # Ctrl-C a KeyboardInterrupt from here: the process group ends cleanly
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        result, speaks = run(args)
-    except RuntimeError as error:
-        if not peer_failure(error):
-            raise
-        rank = os.environ.get("RANK", 0)
-        reason = str(error).splitlines()[0][:300]
-        sys.exit(f"error: rank {rank}: {type(error).__name__}: {reason}")
-    finally:
-        if dist.is_initialized():  # free the models (and DDP's work objects) while the
-            gc.collect()  # process group lives, then end it: no rank aborts at exit
+    under_torchrun = "RANK" in os.environ  # nanoGPT's way: torchrun's variables say so
+    json_file = None
+    if args.json is not None and int(os.environ.get("RANK", "0")) == 0:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        json_file = open(args.json, "w")  # a path that cannot be written fails here, first
+    args.out.mkdir(parents=True, exist_ok=True)
+    if under_torchrun:
+        device = torch_start(args)
+        if dist.get_rank() > 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 speaks for every rank
+        try:
+            result = torch_half(args, device)
+        finally:
+            gc.collect()  # DDP's replicas (reference cycles) go while their group lives
             dist.destroy_process_group()
-        log = os.environ.get("NCCL_DEBUG_FILE", "")
-        if log.endswith(f"nccl-{os.getpid()}.log"):  # ours, not the user's
-            Path(log).unlink(missing_ok=True)
+    else:
+        result = jax_half(args, jax_start(args))
+    if json_file is not None:
+        json.dump(result, json_file, indent=1)
+        json_file.close()
     failed = [name for name, ok in result["checks"].items() if not ok]
     if failed:
-        print(f"checks: FAILED {failed}")
-    else:
-        print("checks: ALL PASSED")
-    if args.json and speaks:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if failed:
-        sys.exit(1)
+        sys.exit(f"check failed: {', '.join(failed)}")
+
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    main()

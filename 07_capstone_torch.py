@@ -1,149 +1,169 @@
 """
 Section 13.7: the waterfall. GPT-2 124M down the chapter's method, one measured rung per
-technique, each kept for the rungs after it, all from one init on the same batches: the
-speed changes, the losses must not. torch.profiler says where each rung's step goes.
+technique, all from one init on the same batches: the speed changes, the losses must
+not. Each rung is timed against the incumbent (every rung kept so far), their steps
+interleaved, and kept only when it is faster beyond the spread. Then the final rung on its
+own roofline: its step, kernel class by kernel class, against the floor of each class;
+the chapter's technique for what the table shows, as one more rung; the table again.
 
-    python 07_capstone_torch.py               # one GPU: gpt2 (124M, T=1024), ~3 min
-    python 07_capstone_torch.py --headline    # baseline vs final rung, 100 steps, ~1.5 min
+    python 07_capstone_torch.py                 # one GPU: gpt2 (124M, T=1024), ~2.5 min
+    python 07_capstone_torch.py --memory-gb 24  # the same, as on the book's 24 GB card
+    python 07_capstone_torch.py --headline      # baseline vs the final rung found above
     torchrun --standalone --nproc_per_node=2 07_capstone_torch.py [--interconnect staged]
-                                              # each GPU the final rung alone, then DDP
-    python 07_capstone_torch.py --device cpu  # the tiny model, a few minutes on 2 cores
-    python 07_capstone_torch.py --quick       # a toy on UTF-8 bytes, a step a rung (tests)
+                                  # the final rung on each GPU alone, then DDP
+    python 07_capstone_torch.py --device cpu    # the tiny model, ~4 min on 2 idle cores
+    python 07_capstone_torch.py --quick         # a toy, seconds (the tests)
 
-Each rung prints its prediction, then its row as soon as it is measured: ms/step, tokens/s,
-MFU (6N + 12LTd FLOPs per token over the datasheet bf16 peak, and over this chip's measured
-matmul peak), peak memory against a 24 GB card, tokens/J (NVML), the loss gap to the
-baseline, and what binds the step. Then the table's checks, a figure in out/, --json.
-Text: --data FILE (UTF-8), else the Python standard library's sources; GPT-2 BPE tokens when
-tiktoken can load them, else UTF-8 bytes. Needs model_torch.py beside it.
+Each rung prints its prediction for this kind of device, the memory it is sized for ("4
+micro-batches of 16: 13.6 GiB predicted of 21.9 available": the same tokens per step on
+every card), then what it measured: ms/step, tokens/s, tokens/J (NVML), speed-up over the
+baseline, MFU (6N + 12LTd FLOPs per token over the datasheet's bf16 peak and over this
+device's measured matmul peak), its losses against the baseline's, kept or dropped,
+whether the prediction held, and where its step goes. The waterfall writes its final rung
+to out/07_capstone_torch_final_rung.json, which --headline and torchrun read. Text: --data
+FILE (UTF-8), else the Python standard library's sources; GPT-2 BPE tokens when tiktoken
+can load them, else UTF-8 bytes. Needs model_torch.py beside it.
 """
 
-import os
-import signal
-import sys
-
-
-def interrupted(signum, frame):
-    """Ctrl-C while the imports below run: one line, exit 130. (A KeyboardInterrupt raised
-    there can land in a callback of Python's import machinery, which prints it and goes on.)"""
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted)  # before the imports below, which take seconds
-
 import argparse
+import contextlib
 import gc
 import hashlib
+import io
 import json
-import logging
 import math
+import os
 import platform
 import socket
 import statistics
+import sys
 import sysconfig
 import tempfile
 import time
-import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch._inductor.config
 import torch.distributed as dist
-from torch._dynamo.callback import callback_handler
-from torch._dynamo.utils import counters
 from torch.autograd import DeviceType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak
-from model_torch import flops_per_token
-
-if __name__ == "__main__":  # from here Ctrl-C is a KeyboardInterrupt: main() ends cleanly
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+from model_torch import floor_seconds, flops_per_token, micro_batches
+from model_torch import predicted_peak_bytes, step_floor_terms
 
 # --- The waterfall: every setting a rung can change, then the rungs, in order.
 
 BASELINE = dict(tf32=False, bf16=False, attn="manual", compile=False, fused=False,
-                pad_vocab=False, accum=4, host_sync=True, fused_classifier=False,
-                checkpoint=False, ddp=False, bf16_grads=False)
-WARMUP = 2  # untimed steps of every rung: the first compiles, the second settles
-WINDOW = 5  # steps between host syncs once "no host sync per step" is on
-RUNGS = [  # (name, what it changes, the regime it targets and the prediction)
-    ("fp32 eager", {}, "baseline: full fp32 matmuls leave the tensor cores idle: ~67 "
-     "TFLOP/s fp32 on an H100/H200 against 989 bf16 (datasheet): < 7% MFU"),
-    ("+ TF32", dict(tf32=True), "compute-bound on the wrong units: TF32 runs fp32 matmuls "
-     "on tensor cores (495 TFLOP/s): 2-3x (build-nanogpt, A100: 1000 -> 333 ms)"),
-    ("+ bf16 autocast", dict(bf16=True), "tensor-core peak x2, activations /2, but eager "
-     "adds casts and manual attention stays fp32: 1.1-1.5x (build-nanogpt: 333 -> 300 ms)"),
+                pad_vocab=False, host_sync=True, fused_classifier=False, checkpoint=False,
+                bf16_residual=False, ddp=False, bf16_grads=False)
+WINDOW = 4  # steps between host syncs once "no host sync per step" is on
+RUNGS = [  # (name, what it changes, the regime it targets and why)
+    ("fp32 eager", {}, "the baseline: fp32 matmuls in full fp32 (TF32 off), the T x T "
+     "attention scores in memory, one kernel per op"),
+    ("+ TF32", dict(tf32=True), "compute-bound on the wrong units: fp32 matmuls on TF32 "
+     "tensor cores (H100 datasheet: 495 against 67 TFLOP/s); a CPU has none"),
+    ("+ bf16 autocast", dict(bf16=True), "compute- and bandwidth-bound: bf16 tensor "
+     "cores twice TF32's peak, half the activation bytes, but eager adds casts; a CPU "
+     "without bf16 units computes bf16 matmuls slower than fp32"),
     ("+ flash attention (SDPA)", dict(attn="sdpa"), "bandwidth-bound: manual attention "
-     "writes and re-reads B*H*T*T scores per layer; SDPA's fused kernel does not: 1.2-2x"),
+     "writes and re-reads B x H x T x T scores per layer; the fused kernel never "
+     "writes them"),
     ("+ torch.compile", dict(compile=True), "bandwidth- and overhead-bound chains "
-     "(LayerNorm, GELU, residuals, casts, the loss) fuse into few kernels: 1.3-2x, plus "
-     "compile time once"),
-    ("+ fused AdamW", dict(fused=True), "overhead: foreach AdamW launches several kernels "
-     "per parameter group, fused is one pass over params, grads, moments: a few %"),
-    ("+ vocab 50304, 1 micro-step", dict(pad_vocab=True, accum=1), "50304 = 128 x 393 leaves "
-     "the largest matmul no ragged tiles (nanoGPT: up to ~25%); one 4x micro-batch "
-     "amortises fixed costs: 1.05-1.3x, more activation memory"),
-    ("+ no host sync per step", dict(host_sync=False), f"overhead: reading the loss every "
-     f"step makes the CPU wait for the GPU to drain; every {WINDOW} steps it runs ahead. "
-     "A ~100 ms step hides a gap < 1 ms: < 1% here, 0 on a CPU; it pays for ms-long steps"),
-    ("+ fused classifier (logits never written)", dict(fused_classifier=True), "memory "
-     "and bandwidth: the B x T x V logits (6.6 GB in bf16, 13 GB in fp32) are never "
-     "written, so peak memory falls by the logits the plain head keeps for backward and "
-     "the loss's share of the step falls; the matmuls are the same: a few % at most"),
-    ("+ activation checkpointing", dict(checkpoint=True), "a memory fix where memory does "
-     "NOT bind: recomputing each block's forward adds ~1/3 of its FLOPs: 20-30% SLOWER"),
-    ("+ DDP", dict(ddp=True), "the batch split among N GPUs, the gradient all-reduce "
-     "overlapped with backward: over NVLink close to N x one GPU (scaling > 90%)"),
-    ("+ bf16 gradient all-reduce", dict(bf16_grads=True), "communication-bound on a slow "
-     "link: a hook all-reduces bf16 gradients, half the bytes: ~0 on NVLink, a few % staged"),
+     "(LayerNorm, GELU, residual adds, casts, the loss) fuse into few kernels; compile "
+     "time paid once"),
+    ("+ fused AdamW", dict(fused=True), "overhead and bandwidth: one pass over params, "
+     "grads and moments instead of a few kernels per step of the update"),
+    ("+ vocab 50304", dict(pad_vocab=True), "compute-bound on ragged tiles: 50304 = "
+     "128 x 393 fills the largest matmul's tensor-core tiles; a CPU has no such tiles"),
+    ("+ no host sync per step", dict(host_sync=False), "overhead: reading the loss "
+     f"every step makes the host wait for the device to drain; every {WINDOW} steps it "
+     "runs ahead. A step of ~100 ms hides a gap < 1 ms; on a CPU the host is the device"),
+    ("+ fused classifier (logits never written)", dict(fused_classifier=True),
+     "memory and bandwidth: the B x T x V logits are formed chunk by chunk, never "
+     "whole, so peak memory falls (a larger micro-batch may fit); the same matmuls"),
+    ("+ activation checkpointing", dict(checkpoint=True), "a memory fix: each block's "
+     "forward runs again in backward, ~1/3 more matmul FLOPs; it pays only where the "
+     "memory it frees lets a larger micro-batch fit"),
+    ("+ bf16 residual stream", dict(bf16_residual=True), "bandwidth-bound: under "
+     "autocast the residual stream, every LayerNorm's input and every add, moves in "
+     "bf16, not fp32"),
+    ("+ DDP", dict(ddp=True), "the batch split among the GPUs, the gradient all-reduce "
+     "overlapped with backward, bucket by bucket"),
+    ("+ bf16 gradient all-reduce", dict(ddp=True, bf16_grads=True), "communication-"
+     "bound on a slow link: DDP's hook all-reduces 16-bit gradients, half the bytes"),
 ]
-DETOURS = {"+ activation checkpointing"}  # measured, then not carried forward
-BASE = "fp32 eager"  # what every speed-up and loss gap is measured against
-FIRST_DDP = "+ DDP"  # the final rung is every single-device rung kept before this one
-ALONE = "final rung, each GPU alone"  # under torchrun: DDP's reference
-CLASSES = {  # class: (the regime it means, substrings of a kernel's (CPU: op's) name)
-    "communication": ("communication-bound", ("nccl", "gloo", "allreduce", "all_reduce")),
-    "loss": ("bandwidth-bound", ("nll_loss", "nllloss", "log_softmax", "logsoftmax",
-                                 "logsumexp")),
-    "attention": ("attention-bound", ("flash", "fmha", "sdpa", "attention", "softmax")),
-    "matmul": ("compute-bound", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "addmm",
-                                 "bmm")),
-    "optimizer": ("bandwidth-bound", ("adam", "multi_tensor_apply", "foreach")),
-    "norm+elementwise": ("bandwidth-bound", ("norm", "elementwise", "gelu", "triton",
-                                             "cpp_fused", "reduce", "copy", "memcpy",
-                                             "memset", "fill", "add", "mul")),
-    "other": ("unclassified", ()),  # every other kernel
-    "idle": ("overhead-bound", ()),  # no kernel running: the device waits for the host
+BASE = "fp32 eager"  # the waterfall's first incumbent
+FLOOR_FIX = "+ bf16 residual stream"  # measured after the floor table, predicted from it
+ALONE = "final rung, each GPU alone"  # under torchrun: what DDP is measured against
+HEADLINE = "final rung (every rung kept)"  # --headline: against the baseline
+FLOOR_PREDICTED = dict(gpu=(1.2, 1.6), cpu=(2.0, None))  # the step over its floor
+# What each rung should do to the step time, over the incumbent's, on each kind of
+# device: (low, high) of the median interleaved ratio. A CPU has no TF32 or bf16 tensor
+# cores, no tiles to fill, no device to run ahead of its host: ~1.0x, or slower. "+ DDP":
+# the share of world x one GPU alone. A first incumbent (BASE, ALONE): its MFU of the
+# measured peak. HEADLINE: over the baseline. FLOOR_FIX: from the floor table.
+PREDICTED = {
+    BASE: dict(gpu=(0.0, 0.1), cpu=(0.0, 0.6)),
+    "+ TF32": dict(gpu=(2.0, 3.0), cpu=(0.9, 1.1)),
+    "+ bf16 autocast": dict(gpu=(1.0, 1.5), cpu=(0.02, 0.7)),
+    "+ flash attention (SDPA)": dict(gpu=(1.5, 2.5), cpu=(0.8, 1.3)),
+    "+ torch.compile": dict(gpu=(1.3, 2.5), cpu=(1.0, 3.0)),
+    "+ fused AdamW": dict(gpu=(1.0, 1.05), cpu=(0.95, 1.3)),
+    "+ vocab 50304": dict(gpu=(1.0, 1.15), cpu=(0.95, 1.05)),
+    "+ no host sync per step": dict(gpu=(1.0, 1.02), cpu=(0.98, 1.02)),
+    "+ fused classifier (logits never written)": dict(gpu=(0.95, 1.05), cpu=(0.9, 1.5)),
+    "+ activation checkpointing": dict(gpu=(0.7, 0.85), cpu=(0.7, 0.9)),
+    ALONE: dict(gpu=(0.3, 0.7), cpu=(0.0, 0.9)),
+    "+ DDP": dict(gpu=(0.85, 1.0), cpu=(0.3, 1.0)),
+    "+ bf16 gradient all-reduce": dict(gpu=(1.0, 1.1), cpu=(0.9, 1.2)),
+    HEADLINE: dict(gpu=(5.0, 20.0), cpu=(1.0, 3.0)),
 }
-COLOURS = {"matmul": "tab:blue", "attention": "tab:orange", "loss": "tab:red",
-           "optimizer": "tab:green", "norm+elementwise": "tab:purple",
-           "communication": "tab:brown", "other": "tab:gray", "idle": "lightgray"}
+CLASSES = {  # kernel class: words in a GPU kernel's (a CPU op's) name; first match wins
+    "communication": ("nccl", "gloo", "allreduce", "all_reduce"),
+    "attention": ("flash", "fmha", "sdpa", "scaled_dot_product", "attention"),
+    "optimizer": ("adam", "multi_tensor_apply", "foreach"),
+    "matmul": ("gemm", "nvjet", "cutlass", "xmma", "splitk", "triton_tem", "aten::mm",
+               "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "elementwise/norm/loss": (),  # every other kernel: LayerNorm, GELU, adds, the loss
+    "idle": (),  # the step's time with no kernel running: the device waits for the host
+}
+TECHNIQUE = {  # the chapter's technique for time a class spends above its floor
+    "matmul": "bf16 tensor cores and tiles the shapes fill (vocab 50304); past those, "
+              "the GEMM library's own efficiency",
+    "attention": "flash attention (SDPA); past it, the kernel's own efficiency, which "
+                 "is kernel authoring, outside this chapter",
+    "elementwise/norm/loss": "fusion (torch.compile) and fewer bytes: logits never "
+                             "written, a bf16 residual stream",
+    "optimizer": "a fused optimizer (fused AdamW)",
+    "communication": "buckets overlapped with backward (DDP), fewer bytes (bf16 "
+                     "gradients)",
+    "idle": "fewer host syncs and launches (no host sync per step, torch.compile)",
+}
+COLOURS = {"matmul": "tab:blue", "attention": "tab:orange", "elementwise/norm/loss":
+           "tab:purple", "optimizer": "tab:green", "communication": "tab:brown",
+           "idle": "lightgray"}
 # Training is chaotic. GPT-2 124M on one H200 (16 x 1024 tokens a step, the same batches):
 # two TF32 runs, one with its init multiplied by (1 + 1e-6 noise), far below any rounding
 # here, agree to ~0.03% for 40 steps, then drift apart: ~1.4% at single steps by step 100,
 # ~1% on curves smoothed over 10 steps; bf16 drifts as far, and not always upwards. So a
 # loss is checked where chaos has not grown yet, and a whole curve only smoothed:
 EARLY_STEPS = 10  # the steps where per-step losses must agree
-LOSS_TOLERANCE = 0.0015  # largest relative gap there: honest rounding (fp32, TF32, bf16
-# autocast) stays below ~0.08%; a loss computed on bf16 logits is ~0.27% off, a loss scaled
-# wrongly (a micro-step count not divided out) by a factor
+LOSS_TOLERANCE = 0.0015  # largest relative gap there: honest rounding (fp32, TF32,
+# bf16 autocast) stays below ~0.08%; a loss computed on bf16 logits is ~0.27% off, a
+# loss scaled wrongly (a micro-step count not divided out) by a factor
 SMOOTH = 20  # steps of the moving mean the headline's curves are compared through
-CURVE_TOLERANCE = 0.04  # largest relative gap of the smoothed curves: honest runs differing
-# by rounding alone or by bf16 stay within ~1.6% over 100 steps; a real change of the math
-# (learning rate, data, a wrong gradient) moves them further
+CURVE_TOLERANCE = 0.04  # largest relative gap of the smoothed curves: honest runs
+# differing by rounding alone or by bf16 stay within ~1.6% over 100 steps; a real change
+# of the math (learning rate, data, a wrong gradient) moves them further
 ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: ~1e-6)
-ENERGY_MIN_SECONDS = 1.0  # NVML's energy counter moves in steps of tens of ms: a shorter
-# timed region reads zero or a fraction of its energy, so tokens/J is left unmeasured
-FITS_BYTES = 23 * 2**30  # a 24 GB card (RTX 4090) less ~1 GiB for the CUDA context
-DDP_HINT = ("one process per GPU: torchrun --standalone --nproc_per_node=2 "
-            "07_capstone_torch.py (CPU ranks: --device cpu)")
+ENERGY_MIN_SECONDS = 1.0  # NVML's energy counter moves in steps of tens of ms: over a
+# shorter timed region it reads zero or a fraction of the energy, so tokens/J is left out
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+BATCHES = 64  # distinct batches; a longer run goes round them again
 
 
 @dataclass
@@ -155,21 +175,22 @@ class Sizes:
     n_embd: int = 128
     vocab: int = 50257  # GPT-2's tokens as shipped (UTF-8 bytes use the first 256)
     padded_vocab: int = 50304  # the next multiple of 128
-    batch: int = 4  # sequences per optimizer step in the waterfall
-    steps: int = 2  # timed steps of a compiled rung
-    eager_steps: int = 2  # timed steps of an eager rung (the slow ones)
+    batch: int = 4  # sequences per optimizer step, on every card: the same loss curve
+    eager_pairs: int = 2  # interleaved timings of an eager rung and its incumbent
+    compiled_pairs: int = 6  # of a compiled rung (steps of tens of ms, noisier)
     headline_batch: int = 4
-    headline_steps: int = 30  # timed steps of each headline curve
+    headline_steps: int = 32  # steps of each headline curve, a multiple of WINDOW
     peak_size: int = 1024  # n of the n x n matmuls that measure the peak
     peak_samples: int = 10
+    copy_mib: int = 64  # MiB copied to measure the bandwidth
 
 
 GPU = Sizes(model="gpt2", block_size=1024, n_layer=12, n_head=12, n_embd=768, batch=64,
-            steps=20, eager_steps=3, headline_batch=16, headline_steps=100,
-            peak_size=8192)
+            eager_pairs=3, headline_batch=16, headline_steps=100, peak_size=8192,
+            copy_mib=1024)
 QUICK = Sizes(model="toy", block_size=16, n_layer=1, n_head=2, n_embd=32, vocab=4095,
-              padded_vocab=4096, steps=1, eager_steps=1, headline_steps=20,
-              peak_size=256, peak_samples=3)  # UTF-8 bytes; padded by 1 row in 4096
+              padded_vocab=4096, eager_pairs=2, compiled_pairs=2, headline_steps=20,
+              peak_size=512, peak_samples=3, copy_mib=8)  # UTF-8 bytes; 4096: a row more
 
 # --- Data: real text, the same batches in both capstones (both files hold this block).
 
@@ -261,7 +282,18 @@ def get_batch(tokens, step, batch_size, seq_len, seed=0):
     return windows[:, :-1], windows[:, 1:]
 
 
-# --- Measuring.
+# --- Measuring, on a machine that may be busy.
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). A GPU shared with another program is not seen here."""
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
 
 
 def sync(device):
@@ -269,65 +301,136 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def bench(fn, device, reps):
-    """Seconds of each of `reps` calls of fn, the device synchronised around each (GPU
-    work is asynchronous). The caller warms up first."""
-    seconds = []
+def interleaved(fns, reps):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns."""
+    seconds = [[] for _ in fns]
     for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - start)
+        for samples, fn in zip(seconds, fns):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
     return seconds
 
 
-def matmul_peak(device, dtype, n, samples):
-    """The matmul ceiling as 01_roofline.py measures it: bursts >= 5 ms of n x n matmuls,
-    each after 100 ms idle and one untimed matmul; 2 n^3 FLOPs over the median time."""
+def ratio_summary(slow, fast):
+    """Two interleaved timings compared: the median of the per-pair ratios slow_i /
+    fast_i with their [min, max]. Beyond the spread only when that whole range is on one
+    side of 1."""
+    ratios = [a / b for a, b in zip(slow, fast)]
+    return dict(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios),
+                ratios=ratios)
+
+
+def burst_seconds(fn, device):
+    """Seconds of one call of fn, from a burst of calls lasting >= 5 ms after 100 ms
+    idle (01_roofline.py's way: a short kernel timed alone measures its launch, not its
+    work)."""
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    calls = math.ceil(0.005 / (time.perf_counter() - start))
+    time.sleep(0.1)
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+def measure_roofs(shared):
+    """PREDICTION: on an H100 or H200 the bf16 matmul peak near 750-800 TFLOP/s
+    (datasheet: 989 dense), the copy near 3-4 TB/s read + written (datasheet: 3.35 and
+    4.8 TB/s); a CPU core or two: tens to a few hundred GFLOP/s in fp32, 5-20 GB/s. The
+    floors and the MFU against the measured peak divide by these."""
+    device = shared.device
+    n = shared.sizes.peak_size
+    shares = [cpu_share()]
+    dtype = torch.float32
+    if device.type == "cuda":
+        dtype = torch.bfloat16  # the tensor cores' format
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    [one] = bench(lambda: a @ b, device, reps=1)
-    calls = math.ceil(0.005 / one)
+    matmul = []
+    for _ in range(shared.sizes.peak_samples):
+        matmul.append(2 * n**3 / burst_seconds(lambda: a @ b, device))
+    source = torch.empty(shared.sizes.copy_mib * 2**20 // 4, device=device)
+    target = torch.empty_like(source)
+    copy = []
+    for _ in range(shared.sizes.peak_samples):
+        seconds = burst_seconds(lambda: target.copy_(source), device)
+        copy.append(2 * source.nbytes / seconds)  # read once, written once
+    shares.append(cpu_share())
+    return dict(busy=min(shares) < BUSY_SHARE, cpu_shares=shares,
+                matmul_dtype=str(dtype), matmul_size=n, matmul_samples=matmul,
+                matmul_flops=statistics.median(matmul), matmul_flops_best=max(matmul),
+                copy_bytes=source.nbytes, copy_samples=copy,
+                copy_bytes_per_s=statistics.median(copy), copy_bytes_per_s_best=max(copy))
 
-    def burst():
-        for _ in range(calls):
-            a @ b
 
-    per_matmul = []
-    for _ in range(samples):
-        time.sleep(0.1)
-        a @ b
-        [seconds] = bench(burst, device, reps=1)
-        per_matmul.append(seconds / calls)
-    return 2 * n**3 / statistics.median(per_matmul)
+def report_roofs(roofs, device_name, datasheet_flops):
+    n = roofs["matmul_size"]
+    tflops = [flops / 1e12 for flops in roofs["matmul_samples"]]
+    print(f"measured: {n} x {n} {roofs['matmul_dtype']} matmul peak "
+          f"{roofs['matmul_flops'] / 1e12:.3g} TFLOP/s "
+          f"[{min(tflops):.3g}, {max(tflops):.3g}] (median of {len(tflops)} bursts)")
+    gbs = [rate / 1e9 for rate in roofs["copy_samples"]]
+    print(f"measured: {roofs['copy_bytes'] / 2**20:.0f} MiB copy "
+          f"{roofs['copy_bytes_per_s'] / 1e9:,.0f} GB/s read + written "
+          f"[{min(gbs):,.0f}, {max(gbs):,.0f}]")
+    if roofs["busy"]:
+        print("   (machine busy: other programs took the CPU while the roofs were "
+              "measured)")
+    if datasheet_flops is None:
+        print(f"reference: no datasheet row for {device_name}: roofs measured only")
+    else:  # NVIDIA's datasheet for this product: dense bf16, no sparsity
+        print(f"reference: datasheet dense bf16 peak {datasheet_flops / 1e12:.1f} "
+              f"TFLOP/s ({device_name})")
+
+
+def has_bf16_tensor_cores(device):
+    """(True, "") on a CPU (whether bf16 is faster there is measured) and on a GPU of
+    compute capability 8.0 (Ampere) or later; (False, why) before it (a T4, a V100)."""
+    if device.type != "cuda":
+        return True, ""
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        return False, f"compute capability {major}.{minor} < 8.0: no bf16 tensor cores"
+    return True, ""
 
 
 def energy_meter(device):
-    """A function reading this GPU's energy counter in joules (NVML), or None."""
+    """A function reading this GPU's energy counter in joules (NVML), or None. The GPU is
+    found by its UUID, so CUDA_VISIBLE_DEVICES cannot point NVML at another card."""
     if device.type != "cuda":
         return None
     try:
         import pynvml
     except ImportError:  # no nvidia-ml-py: no tokens/J
         return None
-    try:  # torch's handle for this device (CUDA_VISIBLE_DEVICES-aware)
-        handle = torch.cuda._get_pynvml_handler(device)
+    try:
+        pynvml.nvmlInit()
+        uuid = "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # mJ since the driver loaded
-    except pynvml.NVMLError:  # no counter on this GPU
+    except pynvml.NVMLError:  # no counter on this GPU (or a MIG slice)
         return None
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3
 
 
 def kernel_class(name):
-    """The first class one of whose substrings is in the kernel's (op's) name."""
+    """The first class one of whose words is in the kernel's (op's) name."""
     name = name.lower()
-    for cls, (_, keys) in CLASSES.items():
-        for key in keys:
-            if key in name:
+    for cls, words in CLASSES.items():
+        for word in words:
+            if word in name:
                 return cls
-    return "other"
+    return "elementwise/norm/loss"
 
 
 def profile_split(step, device):
@@ -358,29 +461,39 @@ def profile_split(step, device):
     ops = {e.name for e in events if e.device_type == DeviceType.CPU}
     return split, wall, ops
 
-# --- One rung: its settings, its model and step, its measurements, its derived numbers.
+# --- One configuration: its model, its size, its steps.
 
 
-def is_kept(name, on_gpu):
-    """Measure -> fix -> re-measure: a fix for a regime this device is not in is measured,
-    then not carried forward: the DETOURS, and bf16 autocast on a CPU (no bf16 matmul
-    units: its bf16 matmuls run 10-20x slower than fp32)."""
-    if name in DETOURS:
-        return False
-    if name == "+ bf16 autocast" and not on_gpu:
-        return False
-    return True
+@dataclass
+class Shared:  # what every configuration uses
+    device: torch.device
+    sizes: Sizes
+    batches: list  # (x, y) pairs on the device: batch i is step i of every configuration
+    init_state: dict  # one init for every rung (the padded vocab; GPT-2's rows a prefix)
+    backend: str  # torch.compile's
+    budget: int  # bytes torch's allocator may use (None: a CPU, nothing sized)
+    meter: object  # this GPU's energy in joules (NVML), or None
+    flops_per_token: float
+    bf16_ok: bool  # bf16 tensor cores (or a CPU, where bf16 is simply measured)
+    bf16_why: str
+    rank: int = 0
+    world: int = 1
 
 
-def settings_for(name, on_gpu):
-    """BASELINE with the changes of every kept rung before `name`, and of `name` itself."""
-    settings = dict(BASELINE)
-    for rung, change, _ in RUNGS:
-        if rung == name:
-            return {**settings, **change}
-        if is_kept(rung, on_gpu):
-            settings.update(change)
-    raise KeyError(name)
+@dataclass
+class Trainer:
+    """One configuration in training: its model and step, the steps it has taken."""
+    name: str
+    settings: dict
+    micro_batches: int
+    raw: object  # the GPT itself (evidence runs it directly, uncompiled)
+    step: object  # one optimizer step on (x, y); returns the batch's mean loss
+    rows: slice  # its rows of each batch (under DDP: this rank's share)
+    sent: dict  # the gradient hook's count of bytes sent, or None
+    losses: list = field(default_factory=list)  # one per step taken, in order
+    warmup_steps: int = 0
+    profiled_steps: int = 0
+    timed_steps: int = 0
 
 
 def model_config(sizes, settings):
@@ -388,50 +501,52 @@ def model_config(sizes, settings):
     if settings["pad_vocab"]:
         vocab = sizes.padded_vocab
     return GPTConfig(block_size=sizes.block_size, n_layer=sizes.n_layer,
-                     n_head=sizes.n_head, n_embd=sizes.n_embd,
-                     vocab_size=vocab, attn=settings["attn"],
-                     checkpoint=settings["checkpoint"],
-                     fused_classifier=settings["fused_classifier"])
+                     n_head=sizes.n_head, n_embd=sizes.n_embd, vocab_size=vocab,
+                     attn=settings["attn"], checkpoint=settings["checkpoint"],
+                     fused_classifier=settings["fused_classifier"],
+                     bf16_residual=settings["bf16_residual"])
 
 
-@dataclass
-class Shared:  # what every rung uses
-    device: torch.device
-    sizes: Sizes
-    batches: list  # (x, y) pairs on the device: batch i is step i of every rung
-    init_state: dict  # one init for every rung (the padded vocab; GPT-2's rows a prefix)
-    backend: str  # torch.compile's
-    rank: int = 0
-    world: int = 1
-
-
-def accumulate(model, x, y, accum, bf16):
-    """Gradients of the batch's mean loss from `accum` equal micro-batches: each
-    micro-batch's mean loss is divided by accum, so their gradients add up to the full
-    batch's. Returns the batch's mean loss."""
+def accumulate(model, x, y, micro_batches, bf16, no_sync=contextlib.nullcontext):
+    """Gradients of the batch's mean loss from `micro_batches` equal micro-batches: each
+    micro-batch's mean loss is divided by their count, so their gradients add up to the
+    full batch's. Under DDP all but the last skip the all-reduce (no_sync). Returns the
+    batch's mean loss."""
     total = torch.zeros((), device=x.device)
-    for x_micro, y_micro in zip(x.chunk(accum), y.chunk(accum)):
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
-            _, loss = model(x_micro, y_micro)
-        (loss / accum).backward()
-        total += loss.detach() / accum
+    count = micro_batches
+    for i, (x_micro, y_micro) in enumerate(zip(x.chunk(count), y.chunk(count))):
+        quiet = no_sync
+        if i == count - 1:
+            quiet = contextlib.nullcontext
+        with quiet():
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+                _, loss = model(x_micro, y_micro)
+            (loss / count).backward()
+        total += loss.detach() / count
     return total
 
 
-def accumulation_error(shared, rows=4):
-    """The gradient accumulated over 4 micro-batches vs the full batch's, before any
+def accumulation_error(shared, rows=4, count=4):
+    """PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that
+    forgot to divide by the micro-batch count would be off by 3x, and AdamW would hide
+    it.
+
+    The gradient accumulated over 4 micro-batches vs the full batch's, before any
     optimizer step (fp32 baseline): their relative difference."""
-    # PREDICTION: fp32 rounding, ~1e-6 (the same sums in another order). A step that forgot
-    # to divide by the micro-batch count would be off by 3x - and AdamW would hide it.
-    raw, _, _ = build(BASELINE, shared)
+    trainer = build(BASELINE, shared, micro_batches=1)
     x = shared.batches[0][0][:rows]
     y = shared.batches[0][1][:rows]
     grads = []
-    for accum in (BASELINE["accum"], 1):
-        accumulate(raw, x, y, accum, bf16=False)
-        grads.append(torch.cat([p.grad.flatten() for p in raw.parameters()]))
-        raw.zero_grad(set_to_none=True)
+    for micro in (count, 1):
+        accumulate(trainer.raw, x, y, micro, bf16=False)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.raw.parameters()]))
+        trainer.raw.zero_grad(set_to_none=True)
     return ((grads[0] - grads[1]).norm() / grads[1].norm()).item()
+
+
+def report_accumulation(error):
+    print(f"measured: gradient accumulated over 4 micro-batches vs the full batch: "
+          f"relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})")
 
 
 def compressed_all_reduce(state, bucket):
@@ -449,15 +564,9 @@ def compressed_all_reduce(state, bucket):
     return future.then(unpack)
 
 
-def build(settings, shared):
-    """The rung's model at the shared init and its optimizer step: (the model, the step,
-    the gradient hook's state with its byte count, or None)."""
-    if shared.device.type == "cuda":  # the last rung's model first: compiled modules hold
-        gc.collect()  # reference cycles, and its memory would count in this rung's peak
-    precision = "highest"
-    if settings["tf32"]:
-        precision = "high"  # fp32 matmuls on TF32 tensor cores
-    torch.set_float32_matmul_precision(precision)
+def build(settings, shared, micro_batches, name=""):
+    """The configuration at the shared init: its model (compiled, under DDP, with a hook
+    as its settings say), its optimizer and its step."""
     config = model_config(shared.sizes, settings)
     with torch.device(shared.device):
         raw = GPT(config)
@@ -466,120 +575,244 @@ def build(settings, shared):
         state[key] = state[key][:config.vocab_size]
     raw.load_state_dict(state)
     model = raw
+    rows = slice(None)
+    no_sync = contextlib.nullcontext
     sent = None
     if settings["ddp"]:  # gradient_as_bucket_view: the gradients live in DDP's buckets
+        share = len(shared.batches[0][0]) // shared.world
+        rows = slice(shared.rank * share, (shared.rank + 1) * share)
         device_ids = None
         if shared.device.type == "cuda":
             device_ids = [shared.device.index]
         model = DDP(raw, device_ids=device_ids, gradient_as_bucket_view=True)
-        torch._dynamo.reset()  # else dynamo reuses the graph compiled without DDP
+        no_sync = model.no_sync
     if settings["bf16_grads"]:
-        sent = dict(dtype=torch.float16, bytes=0)  # on gloo (no bf16): the same bytes
+        sent = dict(dtype=torch.float16, bytes=0)  # gloo has no bf16: the same bytes
         if shared.device.type == "cuda":
             sent["dtype"] = torch.bfloat16
         model.register_comm_hook(sent, compressed_all_reduce)
     if settings["compile"]:  # static shapes: a new shape compiles anew, never symbolic
         model = torch.compile(model, backend=shared.backend, dynamic=False)
-    opt = raw.configure_optimizer(lr=6e-4, weight_decay=0.1, fused=settings["fused"])
+    optimizer = raw.configure_optimizer(lr=6e-4, weight_decay=0.1,
+                                        fused=settings["fused"])
+    precision = "highest"  # fp32 matmuls in full fp32
+    if settings["tf32"]:
+        precision = "high"  # fp32 matmuls on TF32 tensor cores
 
     def step(x, y):
-        loss = accumulate(model, x, y, settings["accum"], settings["bf16"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch.set_float32_matmul_precision(precision)  # this configuration's, every step
+        try:
+            loss = accumulate(model, x, y, micro_batches, settings["bf16"], no_sync)
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)  # else they add into the next step's
+            raise
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if settings["ddp"]:  # the global batch's mean loss: the mean of the ranks' means
             dist.all_reduce(loss)
             loss = loss / shared.world
         return loss
 
-    return raw, step, sent
+    return Trainer(name, settings, micro_batches, raw, step, rows, sent)
 
 
-def train(raw, step, sent, settings, shared, timed_steps):
-    """A rung's raw measurements: WARMUP steps (the first compiles), `timed_steps` timed
-    in windows of one step (the host reads each loss) or of WINDOW steps, NVML's energy
-    around them, then one profiled step. Under DDP each process trains its rows of every
-    batch. Then the evidence that each technique acted."""
-    device = shared.device
-    rows = slice(None)
-    world = 1
-    if settings["ddp"]:
-        share = len(shared.batches[0][0]) // shared.world
-        rows = slice(shared.rank * share, (shared.rank + 1) * share)
-        world = shared.world
-    window = 1
-    if not settings["host_sync"]:
-        window = min(WINDOW, timed_steps)
-    windows = math.ceil(timed_steps / window)
-    losses = []
+def run_steps(trainer, count, shared):
+    """`count` optimizer steps on the trainer's next batches. The host reads each loss
+    after its step (it waits for the device there), or, without host sync, all of them
+    after the last. Ends with the device synchronised."""
+    pending = []
+    for _ in range(count):
+        index = (len(trainer.losses) + len(pending)) % len(shared.batches)
+        x, y = shared.batches[index]
+        loss = trainer.step(x[trainer.rows], y[trainer.rows])
+        if trainer.settings["host_sync"]:
+            trainer.losses.append(loss.item())
+        else:
+            pending.append(loss)
+    for loss in pending:
+        trainer.losses.append(loss.item())
+    sync(shared.device)
 
-    def run_steps(count):
-        for _ in range(count):
-            x, y = shared.batches[len(losses) % len(shared.batches)]
-            loss = step(x[rows], y[rows])
-            if settings["host_sync"]:
-                loss = loss.item()  # the host waits for the device here
-            losses.append(loss)
 
-    said = False
+def size_rung(settings, shared, held, rows):
+    """The fewest micro-batches (a divisor of `rows`) whose step fits the memory left
+    beside what is `held` (the incumbent, the batches), by model_torch's predicted peak
+    with its allocator headroom; the prediction for one micro-batch; the memory
+    available. A CPU is not sized: one micro-batch."""
+    config = model_config(shared.sizes, settings)
+    if shared.budget is None:
+        return 1, predicted_peak_bytes(config, rows, settings["bf16"]), None
+    available = shared.budget - held
+    count = micro_batches(config, rows, available, settings["bf16"])
+    predicted = None
+    if count is not None:
+        predicted = predicted_peak_bytes(config, rows // count, settings["bf16"])
+    return count, predicted, available
 
-    def compiling(*args):  # dynamo starts compiling: said once, as it happens
-        nonlocal said
-        if not said:
-            print("   compiling (torch.compile, in the first step) ...", flush=True)
-        said = True
 
+def more_micro_batches(rows, count):
+    """The next divisor of rows at least twice count, or None."""
+    for larger in range(2 * count, rows + 1):
+        if rows % larger == 0:
+            return larger
+    return None
+
+
+def memory_held(device):
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    graphs_before = counters["stats"]["unique_graphs"]
-    callback_handler.register_start_callback(compiling)
-    try:
-        warmup_s = bench(lambda: run_steps(1), device, WARMUP)
-    finally:
-        callback_handler.remove_start_callback(compiling)
-    graphs = counters["stats"]["unique_graphs"] - graphs_before
-    read_energy = energy_meter(device)
-    joules_before = None
-    if read_energy is not None:
-        joules_before = read_energy()
-    window_s = bench(lambda: run_steps(window), device, windows)
-    x = shared.batches[0][0][rows]
-    tokens_per_joule = None
-    timed_s = sum(window_s)
-    if joules_before is not None and timed_s >= ENERGY_MIN_SECONDS:
-        joules = read_energy() - joules_before  # this GPU's energy for its share of the tokens
-        tokens_per_joule = x.numel() * windows * window / joules
-    split, wall, ops = profile_split(lambda: run_steps(1), device)
+        return torch.cuda.memory_allocated(device)
+    return 0
+
+
+def free_memory(device):
+    gc.collect()  # compiled modules hold reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def report_memory(count, rows, predicted, available):
+    noun = "micro-batches"
+    if count == 1:
+        noun = "micro-batch"
+    gib = predicted / 2**30
+    line = f"   memory: {count} {noun} of {rows // count}: {gib:.1f} GiB predicted"
+    if available is None:
+        line += " (not sized on a CPU)"
+    else:
+        line += f" of {available / 2**30:.1f} available"
+    print(line, flush=True)
+
+
+def start_rung(name, settings, shared, count, held):
+    """Build a configuration and take its first steps, untimed: a compiled one compiles
+    in its first (said before it starts) and settles in its second; then one profiled
+    step, in which its peak memory (less what was held before it) is read."""
+    trainer = build(settings, shared, count, name)
+    warmup = 1
+    if settings["compile"]:
+        warmup = 2
+        print("   compiling (the first step) ...", flush=True)
+    start = time.perf_counter()
+    run_steps(trainer, 1, shared)
+    first_step_s = time.perf_counter() - start
+    run_steps(trainer, warmup - 1, shared)
+    trainer.warmup_steps = warmup
+    if shared.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(shared.device)
+    split, wall, ops = profile_split(lambda: run_steps(trainer, 1, shared), shared.device)
+    trainer.profiled_steps = 1
     peak = None
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    step_ms = [seconds / window * 1e3 for seconds in window_s]
-    compile_s = max(0.0, warmup_s[0] - statistics.median(step_ms) / 1e3)  # past a step's
-    # What each technique did, not its flag: the logits' dtype (autocast), whether logits
-    # exist beside the loss (the fused classifier), whether the profiled step ran the fused
-    # AdamW kernel, an fp32 matmul's error against float64 (TF32 on a GPU: ~1e-3; fp32:
-    # ~1e-6), and the bytes the gradient hook sent a step.
+    if shared.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(shared.device) - held
+    started = dict(first_step_s=first_step_s, profile=split, profile_step_s=wall, ops=ops,
+                   peak_memory_bytes=peak)
+    return trainer, started
+
+
+def evidence(trainer, ops, shared):
+    """What each technique did, not its flag: the logits' dtype (autocast), whether
+    logits exist beside the loss (the fused classifier), the residual stream's dtype
+    after a block (bf16 residual), whether the profiled step ran the fused AdamW kernel,
+    an fp32 matmul's error against float64 (TF32 on a GPU: ~1e-3; fp32: ~1e-6), and the
+    bytes the gradient hook sent a step."""
+    device = shared.device
+    settings = trainer.settings
+    x = shared.batches[0][0][:1, :8]
+    streams = []
+    hook = trainer.raw.transformer.h[0].register_forward_hook(
+        lambda module, inputs, output: streams.append(str(output.dtype)))
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
                                          enabled=settings["bf16"]):
-        logits, _ = raw(x[:1, :8])
-        logits_beside_loss, _ = raw(x[:1, :8], x[:1, :8])
+        logits, _ = trainer.raw(x)
+        logits_beside_loss, _ = trainer.raw(x, x)
+    hook.remove()
+    torch.set_float32_matmul_precision("highest")
+    if settings["tf32"]:
+        torch.set_float32_matmul_precision("high")
     a = torch.randn(256, 256, device=device)
     exact = a.double() @ a.double()
     matmul_error = ((a @ a).double() - exact).norm() / exact.norm()
     acts = dict(logits_dtype=str(logits.dtype),
                 logits_written=logits_beside_loss is not None,
-                fused_adamw_ran="aten::_fused_adamw_" in ops,
+                residual_dtype=streams[0], fused_adamw_ran="aten::_fused_adamw_" in ops,
                 fp32_matmul_rel_error=matmul_error.item())
-    if sent is not None:
-        acts["allreduced_bytes_per_step"] = sent["bytes"] / len(losses)
-        acts["allreduced_dtype"] = str(sent["dtype"])
-    predicted = activation_bytes(model_config(shared.sizes, settings),
-                                 len(x) // settings["accum"], bf16=settings["bf16"])
-    return dict(settings=settings, world=world, warmup_steps=WARMUP,
-                timed_steps=windows * window, profiled_steps=1,
-                losses=[float(loss) for loss in losses], step_ms=step_ms,
-                compile_s=compile_s, graphs=graphs, peak_memory_bytes=peak,
-                tokens_per_joule=tokens_per_joule, profile=split, profile_step_s=wall,
-                tokens_per_step=x.numel() * world, acts=acts, activation_bytes=predicted)
+    if trainer.sent is not None:
+        steps = len(trainer.losses)
+        acts["allreduced_bytes_per_step"] = trainer.sent["bytes"] / steps
+        acts["allreduced_dtype"] = str(trainer.sent["dtype"])
+    return acts
+
+# --- The experiments: each rung against the incumbent, the final rung's floor, the
+# headline.
+
+
+def compare(incumbent, candidate, shared, pairs):
+    """The incumbent and the candidate timed interleaved, `pairs` times: one step each, or
+    WINDOW steps each where either skips the per-step host sync. The incumbent first takes
+    one untimed step (the candidate's compile left the device idle). Under torchrun every
+    rank keeps the slowest rank's time of each call, so all ranks decide alike."""
+    window = 1
+    if not incumbent.settings["host_sync"] or not candidate.settings["host_sync"]:
+        window = WINDOW
+    joules = [0.0]
+
+    def incumbent_call():
+        run_steps(incumbent, window, shared)
+
+    def candidate_call():
+        before = 0.0
+        if shared.meter is not None:
+            before = shared.meter()
+        run_steps(candidate, window, shared)
+        if shared.meter is not None:
+            joules[0] += shared.meter() - before
+
+    shares = [cpu_share()]
+    run_steps(incumbent, 1, shared)
+    incumbent.warmup_steps += 1
+    seconds = interleaved([incumbent_call, candidate_call], pairs)
+    shares.append(cpu_share())
+    incumbent.timed_steps += pairs * window
+    candidate.timed_steps = pairs * window
+    busy = min(shares) < BUSY_SHARE
+    if shared.world > 1:
+        samples = seconds[0] + seconds[1] + [float(busy)]
+        agreed = torch.tensor(samples, dtype=torch.float64,
+                              device=shared.device)  # NCCL reduces device tensors only
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        seconds = [agreed[:pairs].tolist(), agreed[pairs:2 * pairs].tolist()]
+        busy = bool(agreed[-1] > 0)
+    incumbent_ms = [s / window * 1e3 for s in seconds[0]]
+    candidate_ms = [s / window * 1e3 for s in seconds[1]]
+    tokens_per_joule = None
+    timed_s = sum(seconds[1])
+    if shared.meter is not None and timed_s >= ENERGY_MIN_SECONDS:
+        tokens = len(shared.batches[0][0][candidate.rows]) * shared.sizes.block_size
+        tokens_per_joule = tokens * pairs * window / joules[0]  # this GPU's own
+    return dict(incumbent_ms=incumbent_ms, candidate_ms=candidate_ms, window=window,
+                tokens_per_joule=tokens_per_joule, busy=busy, cpu_shares=shares)
+
+
+def decide(ratio, busy):
+    """The rule, the same in both capstones. A rung is kept when it is faster than the
+    incumbent (every rung kept so far) beyond the run-to-run spread: measured
+    interleaved, incumbent and candidate steps alternating, every per-pair ratio
+    (incumbent ms / rung ms) above 1. Each rung runs with the micro-batches its own
+    memory allows, so a rung whose saved memory lets a larger micro-batch fit is kept by
+    the same rule when that makes it faster. Otherwise it is dropped: slower when every
+    ratio is below 1, within noise when they straddle 1. Returns (kept, the verdict's
+    words)."""
+    measured = f"{ratio['ratio']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]"
+    kept = ratio["low"] > 1
+    if kept:
+        verdict = f"kept: {measured} over the incumbent"
+    elif ratio["high"] < 1:
+        verdict = f"dropped: {measured}, slower"
+    else:
+        verdict = f"dropped: {measured}, within noise"
+    if busy:
+        verdict += " (machine busy)"
+    return kept, verdict
 
 
 def loss_gap(losses, base_losses):
@@ -599,195 +832,572 @@ def curve_gap(losses, base_losses):
     return float(np.max(np.abs(smooth - smooth_base) / smooth_base))
 
 
-def derive(measured, base, flops_per_token, peaks):
-    """A rung's derived numbers from its raw ones; base: the baseline rung (None: this is
-    the baseline)."""
-    ms = statistics.median(measured["step_ms"])
-    tokens_per_s = measured["tokens_per_step"] / (ms / 1e3)  # all ranks together
-    flops = tokens_per_s * flops_per_token / measured["world"]  # FLOP/s of one device
+def derive(trainer, started, step_ms, incumbent_ms, incumbent_row, base_losses, shared,
+           roofs):
+    """A rung's row: its raw measurements and the numbers derived from them. step_ms: its
+    interleaved timings; incumbent_ms: the incumbent's beside them (the first incumbent's
+    own row: []); incumbent_row: None for a first incumbent (the baseline)."""
+    settings = trainer.settings
+    ms = statistics.median(step_ms)
+    rows = len(shared.batches[0][0][trainer.rows])
+    ranks = 1
+    if settings["ddp"]:
+        ranks = shared.world
+    tokens_per_step = rows * shared.sizes.block_size * ranks
+    tokens_per_s = tokens_per_step / (ms / 1e3)  # all ranks together
+    flops = tokens_per_s * shared.flops_per_token / ranks  # FLOP/s of one device
     mfu_datasheet = None
-    if peaks["datasheet"] is not None:
-        mfu_datasheet = flops / peaks["datasheet"]
-    spread = max(measured["step_ms"]) - min(measured["step_ms"])
-    fits = None
-    if measured["peak_memory_bytes"] is not None:
-        fits = measured["peak_memory_bytes"] < FITS_BYTES
-    unreliable = spread > ms or flops > 1.1 * peaks["measured"]
-    base_ms = ms
-    base_losses = measured["losses"]
-    if base is not None:  # a speed-up is as reliable as both its timings
-        base_ms = base["ms_per_step"]
-        base_losses = base["losses"]
-        if base["unreliable"]:
-            unreliable = True
-    split = measured["profile"]
-    binds = max(split, key=split.get)  # the class with the largest share of the step
-    return dict(measured, ms_per_step=ms, tokens_per_s=tokens_per_s,
-                speedup=base_ms / ms, mfu_datasheet=mfu_datasheet,
-                mfu_measured_peak=flops / peaks["measured"], fits_24gb=fits,
-                loss_rel_gap=loss_gap(measured["losses"], base_losses),
-                unreliable=unreliable, binds=binds, regime=CLASSES[binds][0])
+    if roofs["datasheet_flops"] is not None:
+        mfu_datasheet = flops / roofs["datasheet_flops"]
+    config = model_config(shared.sizes, settings)
+    micro_batch = rows // trainer.micro_batches
+    row = dict(name=trainer.name, settings=settings, world=ranks)
+    row.update(micro_batches=trainer.micro_batches, micro_batch_size=micro_batch)
+    row.update(step_ms=step_ms, incumbent_step_ms=incumbent_ms, ms_per_step=ms)
+    row.update(tokens_per_step=tokens_per_step, tokens_per_s=tokens_per_s)
+    row["mfu_datasheet"] = mfu_datasheet
+    row["mfu_measured_peak"] = flops / roofs["matmul_flops"]
+    row["roofs_busy"] = roofs["busy"]  # a busy machine's peak: the MFU is no finding
+    row.update(losses=list(trainer.losses), warmup_steps=trainer.warmup_steps,
+               profiled_steps=trainer.profiled_steps, timed_steps=trainer.timed_steps)
+    row.update(peak_memory_bytes=started["peak_memory_bytes"], profile=started["profile"],
+               profile_step_s=started["profile_step_s"])
+    row["activation_bytes"] = activation_bytes(config, micro_batch, bf16=settings["bf16"])
+    row["acts"] = evidence(trainer, started["ops"], shared)
+    row["loss_rel_gap"] = loss_gap(row["losses"], base_losses)
+    row["compile_s"] = None
+    if settings["compile"]:  # the first step's time past a timed one's
+        row["compile_s"] = max(0.0, started["first_step_s"] - ms / 1e3)
+    if incumbent_row is None:
+        row.update(ratios=[], ratio=None, ratio_low=None, ratio_high=None, speedup=1.0,
+                   speedup_low=1.0, speedup_high=1.0)
+        return row
+    ratio = ratio_summary(incumbent_ms, step_ms)
+    row.update(ratios=ratio["ratios"], ratio=ratio["ratio"], ratio_low=ratio["low"],
+               ratio_high=ratio["high"])
+    row["speedup"] = incumbent_row["speedup"] * ratio["ratio"]  # the kept rungs' product
+    row["speedup_low"] = incumbent_row["speedup_low"] * ratio["low"]
+    row["speedup_high"] = incumbent_row["speedup_high"] * ratio["high"]
+    return row
 
 
-def fmt(value, spec=""):
-    """A number, or n/a where this machine cannot measure it; yes/no for a verdict."""
-    if value is None:
-        return "n/a"
-    if value is True:
-        return "yes"
-    if value is False:
-        return "no"
-    return format(value, spec)
+def report_rung(row):
+    """A rung's lines, printed as soon as it is measured."""
+    busy = ""
+    if row["busy"]:
+        busy = " (machine busy)"
+    ms = row["step_ms"]
+    line = (f"   measured: {row['ms_per_step']:.1f} ms/step [{min(ms):.1f}, "
+            f"{max(ms):.1f}], {row['tokens_per_s']:,.0f} tokens/s")
+    if row["peak_memory_bytes"] is not None:
+        line += f", peak {row['peak_memory_bytes'] / 2**30:.1f} GiB"
+    if row["tokens_per_joule"] is not None:
+        line += f", {row['tokens_per_joule']:,.0f} tokens/J"
+    print(line + busy)
+    if row["compile_s"] is not None:
+        print(f"   measured: compile {row['compile_s']:.1f} s (the first step less a "
+              "timed one)")
+    line = "   derived: "
+    if row["ratio"] is not None:
+        line += (f"{row['speedup']:.2f}x [{row['speedup_low']:.2f}, "
+                 f"{row['speedup_high']:.2f}] over the baseline, ")
+    line += "MFU "
+    if row["mfu_datasheet"] is not None:
+        line += f"{row['mfu_datasheet']:.1%} of the datasheet peak, "
+    line += f"{row['mfu_measured_peak']:.1%} of the measured peak"
+    if row["roofs_busy"] and not row["busy"]:
+        line += " (the peak measured on a busy machine)"
+    line += f"; losses within {row['loss_rel_gap']:.3%} of the baseline's{busy}"
+    print(line)
+    step = row["profile_step_s"]
+    shares = []
+    for cls, seconds in sorted(row["profile"].items(), key=lambda item: -item[1]):
+        if seconds >= 0.005 * step:
+            shares.append(f"{cls} {seconds / step:.0%}")
+    print(f"   measured: one profiled step, {step * 1e3:.1f} ms: {', '.join(shares)}")
+    print(f"   {row['verdict']}")
+    low, high = row["predicted"]
+    held = "held"
+    if not row["prediction_held"]:
+        held = "missed"
+    if row["ratio"] is None:  # a first incumbent: its MFU was predicted
+        print(f"   prediction {held}: MFU {low:.0%}-{high:.0%} of the measured peak, "
+              f"measured {row['mfu_measured_peak']:.1%}{busy}")
+    else:
+        print(f"   prediction {held}: {low:.2f}-{high:.2f}x, measured "
+              f"{row['ratio']:.2f}x{busy}")
 
 
-HEADER = (f"   {'rung':51s} {'ms/step':>8s} {'tokens/s':>10s} {'speed-up':>8s} "
-          f"{'MFU(ds)':>7s} {'MFU(meas)':>9s} {'peak GiB':>8s} {'24 GB':>5s} "
-          f"{'tokens/J':>8s} {'d(loss)':>7s}  binds: share of a profiled step\n"
-          "   (measured: ms, tokens/s, peak memory, tokens/J (NVML), binds; derived: "
-          f"speed-up, MFU; d(loss): vs the baseline over its first {EARLY_STEPS} steps)")
+def device_kind(shared):
+    if shared.device.type == "cuda":
+        return "gpu"
+    return "cpu"
 
 
-def print_row(rung):
-    name = rung["name"]
-    if not rung["kept"]:
-        name += " (dropped)"
-    peak_gib = None
-    if rung["peak_memory_bytes"] is not None:
-        peak_gib = rung["peak_memory_bytes"] / 2**30
-    share = rung["profile"][rung["binds"]] / rung["profile_step_s"]
-    line = (f"   {name:51s} {rung['ms_per_step']:8.1f} {rung['tokens_per_s']:10,.0f} "
-            f"{rung['speedup']:7.2f}x {fmt(rung['mfu_datasheet'], '.1%'):>7} "
-            f"{rung['mfu_measured_peak']:9.1%} {fmt(peak_gib, '.1f'):>8} "
-            f"{fmt(rung['fits_24gb']):>5} {fmt(rung['tokens_per_joule'], ',.0f'):>8} "
-            f"{rung['loss_rel_gap']:7.2%}  {rung['binds']} {share:.0%} ({rung['regime']})")
-    if rung["unreliable"]:
-        line += "  unreliable (machine busy)"
-    print(line, flush=True)
-
-# --- The experiments.
+def skip_reason(settings, shared):
+    """Why this machine cannot run a configuration, or None."""
+    if (settings["ddp"] or settings["bf16_grads"]) and shared.world == 1:
+        return ("it needs one process per GPU: torchrun --standalone --nproc_per_node=2 "
+                "07_capstone_torch.py (CPU ranks: --device cpu)")
+    if settings["bf16"] and not shared.bf16_ok:
+        return shared.bf16_why
+    if settings["bf16_residual"] and not settings["bf16"]:
+        return "without bf16 autocast (dropped above) the residual stream is fp32 anyway"
+    return None
 
 
-def measure(name, why, settings, shared, timed_steps, base, flops, peaks):
-    """Build and train one rung, derive its numbers, print its row: the rung, or None when
-    it does not fit this device."""
-    print(f"{name}: predicted {why}", flush=True)
-    try:
-        raw, step, sent = build(settings, shared)
-        measured = train(raw, step, sent, settings, shared, timed_steps)
-    except torch.OutOfMemoryError:
-        print(f"   does not fit: {name} runs out of device memory at this batch")
-        return None
-    if measured["graphs"]:
-        noun = "graph"
-        if measured["graphs"] > 1:
-            noun = "graphs"
-        print(f"   compiled {measured['graphs']} {noun}: {measured['compile_s']:.1f} s "
-              "(measured: the first step less a timed one)")
-    rung = dict(name=name, why=why, kept=is_kept(name, shared.device.type == "cuda"),
-                **derive(measured, base, flops, peaks))
-    print_row(rung)
-    return rung
+def floor_ms(settings, micro_batches, tokens, shared, roofs):
+    """Each class's floor in ms for a configuration (model_torch's accounting at the best
+    measured roofs: the floors are lower bounds)."""
+    config = model_config(shared.sizes, settings)
+    terms = step_floor_terms(config, tokens, settings["bf16"], micro_batches)
+    peak = roofs["matmul_flops_best"]
+    bandwidth = roofs["copy_bytes_per_s_best"]
+    seconds = floor_seconds(terms, peak, bandwidth)
+    return {cls: s * 1e3 for cls, s in seconds.items()}
 
 
-def waterfall(shared, flops, peaks):
-    """The accumulation check, then each rung on top of what the rungs before it kept;
-    under torchrun: the final single-device rung on each GPU alone, then the DDP rungs."""
-    gpu = shared.device.type == "cuda"
-    error = accumulation_error(shared)
-    print(f"measured: gradient accumulated over {BASELINE['accum']} micro-batches vs the "
-          f"full batch: relative difference {error:.1e} (tolerance {ACCUM_TOLERANCE:.0e})")
-    todo = []
-    if shared.world > 1:
-        # PREDICTION: alone, each GPU trains the whole batch in `world` micro-batches, each
-        # one rank's share: the same math as DDP (the same losses, to rounding), the same
-        # work per GPU. DDP's tokens/s over world x this rate leaves what DDP adds: the
-        # all-reduce not hidden under backward, each rank's own optimizer step.
-        why = f"the batch in {shared.world} micro-batches, one rank's share each"
-        final = dict(settings_for(FIRST_DDP, gpu), ddp=False)
-        todo.append((ALONE, dict(final, accum=shared.world), why))
-    for name, _, why in RUNGS:
-        settings = settings_for(name, gpu)
-        if shared.world == 1 or settings["ddp"]:
-            todo.append((name, settings, why))
-    print(HEADER)
-    rungs = []
+def predict(name, settings, shared, roofs, floor):
+    """(low, high) of what a rung should measure on this kind of device, and the words
+    that say so: a first incumbent's MFU, a rung's speed-up over the incumbent,
+    FLOOR_FIX's from the floor table."""
+    kind = device_kind(shared)
+    where = "on a GPU"
+    if kind == "cpu":
+        where = "on a CPU"
+    if name == FLOOR_FIX and floor is not None:
+        return predict_from_floor(floor, settings, shared, roofs)
+    low, high = PREDICTED[name][kind]
+    if name in (BASE, ALONE):
+        return (low, high), f"{where} MFU {low:.0%}-{high:.0%} of the measured peak"
+    if name == "+ DDP":  # a share of world x one GPU alone
+        low = low * shared.world
+        high = high * shared.world
+    return (low, high), f"{where} {low:.2f}-{high:.2f}x over the incumbent"
+
+
+def predict_from_floor(floor, settings, shared, roofs):
+    """A change predicted from the floor table: each class's floor now and with the
+    change; the time saved at the floor, and at the rate each class runs now (measured /
+    floor). The speed-up expected over the step: from half the first to one and a half
+    times the second."""
+    micro = floor["micro_batches"]
+    tokens = floor["tokens"]
+    before = floor_ms(floor["settings"], micro, tokens, shared, roofs)
+    after = floor_ms(settings, micro, tokens, shared, roofs)
+    at_floor = 0.0
+    at_rate = 0.0
+    for cls, ms in before.items():
+        saved = ms - after[cls]
+        at_floor += saved
+        if saved > 0:  # a class with a floor: the rate it runs at, measured over floor
+            at_rate += saved * floor["classes"][cls]["measured_ms"] / ms
+    step = floor["step_ms"]
+    low = step / (step - at_floor / 2)
+    high = step / (step - 1.5 * at_rate)
+    words = (f"{low:.3f}-{high:.3f}x over the incumbent: the floor table's classes "
+             f"lose {at_floor:.3g} ms at their floors, {at_rate:.3g} ms at the rate they "
+             f"run now, of a {step:.4g} ms step")
+    return (low, high), words
+
+
+def next_rung(name, settings, incumbent, shared, pairs):
+    """The candidate sized, started and timed against the incumbent. Out of memory: the
+    prediction missed; twice the micro-batches, and again. Returns (the candidate, what
+    its start measured, the timing), or None when one sequence at a time does not fit."""
+    rows = len(shared.batches[0][0][incumbent.rows])
+    if settings["ddp"] and not incumbent.settings["ddp"]:
+        rows = rows // shared.world
+        # dynamo would run the graph it compiled for the model alone, without DDP's split
+        # at bucket boundaries that lets each bucket's all-reduce start during backward
+        torch.compiler.reset()
+    held = memory_held(shared.device)
+    count, predicted, available = size_rung(settings, shared, held, rows)
+    while count is not None:
+        report_memory(count, rows, predicted, available)
+        try:
+            candidate, started = start_rung(name, settings, shared, count, held)
+            timing = compare(incumbent, candidate, shared, pairs)
+            return candidate, started, timing
+        except torch.OutOfMemoryError:
+            pass  # the exception holds the candidate's memory: freed once it is gone
+        free_memory(shared.device)
+        larger = more_micro_batches(rows, count)
+        said = f"   prediction missed: out of memory with {count} micro-batches"
+        if larger is None:
+            print(f"{said}: it does not fit this device")
+        else:
+            print(f"{said}; trying {larger}")
+        count = larger
+        if count is not None:
+            predicted = predicted_peak_bytes(model_config(shared.sizes, settings),
+                                             rows // count, settings["bf16"])
+    return None
+
+
+def start_first(name, why, settings, shared, roofs, count=None):
+    """The first incumbent (the baseline; under torchrun the final rung alone): predicted,
+    sized beside the batches, started; it is timed beside the first rung."""
+    predicted, words = predict(name, settings, shared, roofs, None)
+    print(f"{name}: predicted: {words} ({why})", flush=True)
+    rows = len(shared.batches[0][0])
+    free_memory(shared.device)  # the accumulation check's model
+    held = memory_held(shared.device)
+    sized, estimate, available = size_rung(settings, shared, held, rows)
+    if count is None:
+        count = sized
+    if count is None:
+        sys.exit(f"error: {name} does not fit this device with one sequence per "
+                 "micro-batch: try a smaller --batch")
+    report_memory(count, rows, estimate, available)
+    trainer, started = start_rung(name, settings, shared, count, held)
+    started["predicted"] = predicted
+    started["why"] = why
+    return trainer, started
+
+
+def first_row(trainer, started, timing, shared, roofs):
+    """The first incumbent's row, from its timings beside the first rung."""
+    print(f"{trainer.name} (timed beside the rung above):")
+    row = derive(trainer, started, timing["incumbent_ms"], [], None, trainer.losses,
+                 shared, roofs)
+    low, high = started["predicted"]
+    row.update(why=started["why"], kept=True, verdict="the first incumbent")
+    row.update(busy=timing["busy"], cpu_shares=timing["cpu_shares"])
+    row["tokens_per_joule"] = None
+    row["predicted"] = [low, high]
+    row["prediction_held"] = low <= row["mfu_measured_peak"] <= high
+    report_rung(row)
+    return row
+
+
+def row_of(rows, name):
+    """The row of the rung called `name`."""
+    for row in rows:
+        if row["name"] == name:
+            return row
+    raise KeyError(name)
+
+
+def descend(incumbent, started, entries, shared, roofs, rows, skipped, floor=None,
+            pairs=None, judge=True):
+    """Each rung of `entries` (name, change, why) against the incumbent, in order:
+    measured, reported, kept or dropped (judge=False: only timed against it). The first
+    timing also times the first incumbent, whose row is made then (started: what its
+    start measured). Appends to rows and skipped; returns the incumbent at the end."""
+    for name, change, why in entries:
+        settings = dict(incumbent.settings, **change)
+        reason = skip_reason(settings, shared)
+        if reason is not None:
+            print(f"{name}: skipped: {reason}")
+            skipped[name] = reason
+            continue
+        predicted, words = predict(name, settings, shared, roofs, floor)
+        print(f"{name}: predicted: {words} ({why})", flush=True)
+        count = pairs
+        if count is None:
+            count = shared.sizes.eager_pairs
+            if settings["compile"]:
+                count = shared.sizes.compiled_pairs
+        measured = next_rung(name, settings, incumbent, shared, count)
+        if measured is None:
+            skipped[name] = "does not fit this device"
+            continue
+        candidate, candidate_started, timing = measured
+        if not rows:
+            rows.append(first_row(incumbent, started, timing, shared, roofs))
+            print(f"{name}:")
+        incumbent_row = row_of(rows, incumbent.name)
+        row = derive(candidate, candidate_started, timing["candidate_ms"],
+                     timing["incumbent_ms"], incumbent_row, rows[0]["losses"], shared,
+                     roofs)
+        ratio = ratio_summary(timing["incumbent_ms"], timing["candidate_ms"])
+        kept, verdict = decide(ratio, timing["busy"])
+        if not judge:
+            verdict = (f"timed against {incumbent.name}: {ratio['ratio']:.2f}x "
+                       f"[{ratio['low']:.2f}, {ratio['high']:.2f}] faster per step")
+        if row["micro_batch_size"] != incumbent_row["micro_batch_size"]:
+            verdict += (f", in micro-batches of {row['micro_batch_size']} where the "
+                        f"incumbent's are {incumbent_row['micro_batch_size']}")
+        row.update(why=why, kept=kept, verdict=verdict, busy=timing["busy"])
+        row["cpu_shares"] = timing["cpu_shares"]
+        row["tokens_per_joule"] = timing["tokens_per_joule"]
+        row["predicted"] = list(predicted)
+        row["prediction_held"] = predicted[0] <= ratio["ratio"] <= predicted[1]
+        report_rung(row)
+        rows.append(row)
+        if kept:
+            retire(incumbent)
+            incumbent = candidate
+        candidate = None
+        measured = None
+        free_memory(shared.device)  # the loser's memory, before the next rung is sized
+    return incumbent
+
+
+def retire(trainer):
+    """Drop a replaced incumbent's model and step (its optimizer lives in the step): a
+    caller may still hold the Trainer for its name and losses, but not its memory."""
+    trainer.raw = None
+    trainer.step = None
+
+
+def report_waterfall(rows):
+    """Every rung in one table, after the waterfall."""
+    print("the waterfall (measured: ms/step, peak memory, tokens/J; derived: speed-up "
+          "over the baseline, MFU of the datasheet peak and of the measured peak):")
+    print(f"   {'rung':42s} {'verdict':8s} {'micro-batches':>13s} {'ms/step':>9s} "
+          f"{'speed-up':>8s} {'MFU (datasheet)':>15s} {'MFU (measured)':>14s} "
+          f"{'peak GiB':>8s} {'tokens/J':>8s}")
+    for row in rows:
+        verdict = "dropped"
+        if row["kept"]:
+            verdict = "kept"
+        peak = "n/a"
+        if row["peak_memory_bytes"] is not None:
+            peak = f"{row['peak_memory_bytes'] / 2**30:.1f}"
+        mfu = "n/a"
+        if row["mfu_datasheet"] is not None:
+            mfu = f"{row['mfu_datasheet']:.1%}"
+        joules = "n/a"
+        if row["tokens_per_joule"] is not None:
+            joules = f"{row['tokens_per_joule']:,.0f}"
+        micro = f"{row['micro_batches']} x {row['micro_batch_size']}"
+        print(f"   {row['name']:42s} {verdict:8s} {micro:>13s} {row['ms_per_step']:9.1f} "
+              f"{row['speedup']:7.2f}x {mfu:>15s} {row['mfu_measured_peak']:14.1%} "
+              f"{peak:>8s} {joules:>8s}")
+
+
+def step_floor(trainer, timed_ms, shared, roofs):
+    """PREDICTION: on a GPU the matmuls within ~1.2x of their floor, the
+    elementwise/norm/loss kernels within ~2x of theirs, attention further (its kernels
+    reach a fraction of the matmul roof at head size 64), idle near 0: the step 1.2-1.6x
+    its floor. A CPU runs far above every floor, over 2x: op-by-op overhead and kernels
+    made for no particular shape.
+
+    The final rung on its own roofline: one profiled step, kernel class by kernel class,
+    against each class's floor (model_torch.step_floor_terms: its FLOPs at the best
+    measured matmul burst or its bytes at the best measured copy, whichever is longer)."""
+    shares = [cpu_share()]
+    split, wall, _ = profile_split(lambda: run_steps(trainer, 1, shared), shared.device)
+    shares.append(cpu_share())
+    trainer.profiled_steps += 1
+    tokens = len(shared.batches[0][0][trainer.rows]) * shared.sizes.block_size
+    config = model_config(shared.sizes, trainer.settings)
+    bf16 = trainer.settings["bf16"]
+    terms = step_floor_terms(config, tokens, bf16, trainer.micro_batches)
+    floors = floor_ms(trainer.settings, trainer.micro_batches, tokens, shared, roofs)
+    classes = {}
+    for cls in CLASSES:
+        term = terms.get(cls, dict(flops=0, bytes=0))  # communication, idle: no floor
+        compute_s = term["flops"] / roofs["matmul_flops_best"]
+        memory_s = term["bytes"] / roofs["copy_bytes_per_s_best"]
+        regime = None  # the floor's: which of its two terms is longer
+        if cls == "idle":
+            regime = "overhead-bound"
+        elif compute_s > memory_s:
+            regime = "compute-bound"
+        elif memory_s > 0:
+            regime = "bandwidth-bound"
+        classes[cls] = dict(measured_ms=split[cls] * 1e3, floor_ms=floors.get(cls, 0.0),
+                            flops=term["flops"], bytes=term["bytes"], regime=regime)
+    excess = {cls: c["measured_ms"] - c["floor_ms"] for cls, c in classes.items()}
+    largest = max(excess, key=excess.get)
+    busy = roofs["busy"] or min(shares) < BUSY_SHARE  # the roofs or the step slowed
+    # A floor bounds its class only where its bytes come from memory at the copy's rate:
+    # a GPU's L2 (tens of MB) is small beside these classes' GBs; a CPU's caches can hold
+    # a small model's optimizer state and beat its own copy. A busy machine measures low
+    # roofs. Either way the floors are estimates, not bounds: nothing to check then.
+    checked = False
+    if shared.device.type == "cuda" and not busy:
+        checked = True
+    low, high = FLOOR_PREDICTED[device_kind(shared)]
+    step_ms = wall * 1e3
+    floor_total = sum(c["floor_ms"] for c in classes.values())
+    held = low <= step_ms / floor_total
+    if high is not None:
+        held = held and step_ms / floor_total <= high
+    return dict(rung=trainer.name, timed_ms=timed_ms, busy=busy, checked=checked,
+                cpu_shares=shares,
+                predicted=[low, high], prediction_held=held,
+                settings=trainer.settings, tokens=tokens,
+                micro_batches=trainer.micro_batches, step_ms=step_ms,
+                floor_ms=floor_total,
+                matmul_flops=roofs["matmul_flops_best"],
+                copy_bytes_per_s=roofs["copy_bytes_per_s_best"], classes=classes,
+                largest_excess=largest, technique=TECHNIQUE[largest])
+
+
+def report_floor(floor):
+    low, high = floor["predicted"]
+    expected = f"over {low:g}x"
+    if high is not None:
+        expected = f"{low:g}-{high:g}x"
+    print(f"the floor table: predicted: the step {expected} its floor on this kind of "
+          "device")
+    print(f"{floor['rung']} on its own roofline: one profiled step of "
+          f"{floor['step_ms']:.1f} ms (measured; its timed steps' median "
+          f"{floor['timed_ms']:.1f} ms), class by class against its floor (derived)")
+    print(f"   {'class':24s} {'measured ms':>11s} {'floor ms':>9s} "
+          f"{'measured/floor':>14s} {'above floor ms':>14s}  floor's regime")
+    for cls in COLOURS:  # matmul first, idle last
+        c = floor["classes"][cls]
+        ratio = "n/a"
+        if c["floor_ms"] > 0:
+            ratio = f"{c['measured_ms'] / c['floor_ms']:.2f}x"
+        above = c["measured_ms"] - c["floor_ms"]
+        print(f"   {cls:24s} {c['measured_ms']:11.2f} {c['floor_ms']:9.2f} {ratio:>14s} "
+              f"{above:14.2f}  {c['regime'] or '-'}")
+    total = floor["step_ms"] / floor["floor_ms"]
+    print(f"   {'the step':24s} {floor['step_ms']:11.2f} {floor['floor_ms']:9.2f} "
+          f"{total:13.2f}x {floor['step_ms'] - floor['floor_ms']:14.2f}")
+    tflops = floor["matmul_flops"] / 1e12
+    gbs = floor["copy_bytes_per_s"] / 1e9
+    print(f"   (a floor: the class's FLOPs at {tflops:.3g} TFLOP/s or its bytes at "
+          f"{gbs:,.0f} GB/s, the best matmul burst and copy measured above, whichever "
+          "takes longer: model_torch.step_floor_terms)")
+    if floor["busy"]:
+        print("   (machine busy: the roofs or this step were slowed by other programs: "
+              "the ratios are not findings)")
+    if not floor["checked"]:
+        print("   (no floor is checked against its time here: on a busy machine, or a "
+              "CPU whose caches can beat its copy, a floor is an estimate, not a bound)")
+    largest = floor["largest_excess"]
+    worst = floor["classes"][largest]
+    above = worst["measured_ms"] - worst["floor_ms"]
+    print(f"derived: the step is {total:.2f}x its floor; {largest} is furthest above its "
+          f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}")
+    held = "held"
+    if not floor["prediction_held"]:
+        held = "missed"
+    print(f"prediction {held}: the step {expected} its floor, measured {total:.2f}x")
+
+
+def floor_below_measured(floor):
+    """Every floor at or below its measured time: a floor above it means a count is
+    wrong."""
+    for c in floor["classes"].values():
+        if c["floor_ms"] > c["measured_ms"]:
+            return False
+    return True
+
+
+def single_device(shared, roofs):
+    """PREDICTION: each rung as PREDICTED says for this kind of device, printed before
+    it runs; on a GPU the final rung ~10x the baseline's tokens/s, on a CPU 1-3x.
+
+    The waterfall on one device: the baseline, every rung against the incumbent, the
+    final rung on its own roofline, the rung its floor table predicts, the table again."""
+    rows = []
     skipped = {}
-    for name, settings, why in todo:
-        if settings["ddp"] and shared.world == 1:
-            print(f"{name}: predicted {why}\n   skipped: it needs {DDP_HINT}")
-            skipped[name] = DDP_HINT
-            continue
-        timed_steps = shared.sizes.eager_steps
-        if settings["compile"]:
-            timed_steps = shared.sizes.steps
-        base = None
-        if rungs:
-            base = rungs[0]
-        rung = measure(name, why, settings, shared, timed_steps, base, flops, peaks)
-        if rung is None:
-            skipped[name] = "does not fit"
-            continue
-        rungs.append(rung)
-    checks = dict(accumulated_gradient_equals_full_batch=error <= ACCUM_TOLERANCE,
-                  losses_track_baseline=True, time_split_adds_up=True)
-    for rung in rungs:
-        if rung["loss_rel_gap"] > LOSS_TOLERANCE:
+    name, _, why = RUNGS[0]
+    incumbent, started = start_first(name, why, BASELINE, shared, roofs)
+    fix = [entry[0] for entry in RUNGS].index(FLOOR_FIX)
+    incumbent = descend(incumbent, started, RUNGS[1:fix], shared, roofs, rows, skipped)
+    timed_ms = row_of(rows, incumbent.name)["ms_per_step"]
+    floors = [step_floor(incumbent, timed_ms, shared, roofs)]
+    report_floor(floors[0])
+    final = incumbent.name
+    incumbent = descend(incumbent, None, RUNGS[fix:], shared, roofs, rows, skipped,
+                        floor=floors[0])
+    if incumbent.name != final:  # the fix was kept: the table again, re-measured
+        timed_ms = row_of(rows, incumbent.name)["ms_per_step"]
+        floors.append(step_floor(incumbent, timed_ms, shared, roofs))
+        report_floor(floors[-1])
+    for floor in floors:
+        row_of(rows, floor["rung"])["floor"] = floor
+    report_waterfall(rows)
+    checks = dict(losses_track_baseline=True, time_split_adds_up=True)
+    for row in rows:
+        if row["loss_rel_gap"] > LOSS_TOLERANCE:
             checks["losses_track_baseline"] = False
-        if min(rung["profile"].values()) < 0:
+        if min(row["profile"].values()) < 0:
             checks["time_split_adds_up"] = False
-    memory = "activation_bytes"  # measured memory on a GPU, else predicted
-    if gpu:
-        memory = "peak_memory_bytes"
-    for rung in rungs:  # checkpointing against the same rung without it
-        for before in rungs:
-            if rung["settings"]["checkpoint"] and before["settings"] == dict(
-                    rung["settings"], checkpoint=False):
-                checks["checkpointing_lowers_memory"] = rung[memory] < before[memory]
-    for rung in rungs:  # under torchrun: the DDP rungs against world x one GPU alone
-        if rung["world"] > 1 and rungs[0]["name"] == ALONE:
-            rung["scaling"] = rung["tokens_per_s"] / (shared.world * rungs[0]["tokens_per_s"])
-            print(f"derived: {rung['name']}: scaling {rung['scaling']:.1%} of "
-                  f"{shared.world} x one GPU alone")
-    return dict(rungs=rungs, skipped=skipped, accumulation_rel_diff=error, checks=checks)
+    for floor in floors:
+        if floor["checked"]:
+            checks["floor_below_measured"] = floor_below_measured(floor)
+    for row, before in zip(rows[1:], rows):
+        if row["settings"]["checkpoint"] and not before["settings"]["checkpoint"]:
+            plain = dict(row["settings"], checkpoint=False)
+            config = model_config(shared.sizes, plain)
+            micro_batch = row["micro_batch_size"]
+            without = activation_bytes(config, micro_batch, bf16=plain["bf16"])
+            checks["checkpointing_lowers_memory"] = row["activation_bytes"] < without
+    return dict(rungs=rows, skipped=skipped, final_rung=incumbent.name, checks=checks)
 
 
-def headline(shared, flops, peaks):
-    """The chapter's opening claim: the baseline and the final rung trained for the same
-    steps from one init on the same batches: loss against step, and against wall-clock."""
-    # PREDICTION: the same curve - the first EARLY_STEPS losses within LOSS_TOLERANCE, the
-    # smoothed curves within CURVE_TOLERANCE - while the final rung is ~10x faster per step
-    # on a GPU, ~1.5x on a CPU; its compile is paid once.
-    gpu = shared.device.type == "cuda"
-    steps = WINDOW * math.ceil(shared.sizes.headline_steps / WINDOW)  # whole windows:
-    print(HEADER)  # both curves have the same steps
-    base = measure(BASE, RUNGS[0][2], BASELINE, shared, steps, None, flops, peaks)
-    final = None
-    if base is not None:
-        settings = dict(settings_for(FIRST_DDP, gpu), ddp=False)  # every rung kept
-        final = measure("final rung (every rung kept)", "the same curve, ~10x sooner",
-                        settings, shared, steps, base, flops, peaks)
-    if final is None:
-        sys.exit("error: the headline does not fit this device: try a smaller --batch")
-    early = final["loss_rel_gap"]
-    curve = curve_gap(final["losses"], base["losses"])
-    ratio = base["ms_per_step"] / final["ms_per_step"]
-    count = len(base["losses"])
+def headline(shared, final_settings, roofs):
+    """PREDICTION: the same curve - the first EARLY_STEPS losses within LOSS_TOLERANCE,
+    the smoothed curves within CURVE_TOLERANCE - while the final rung is 5-20x faster per
+    step on a GPU, 1-3x on a CPU; its compile is paid once, before the timed steps.
+
+    The chapter's opening claim: the baseline and the final rung trained for the same
+    steps from one init on the same batches, interleaved: one loss curve against step,
+    an order of magnitude apart against wall-clock."""
+    rows = []
+    name, _, why = RUNGS[0]
+    base, started = start_first(name, why, BASELINE, shared, roofs)
+    window = 1
+    if not final_settings["host_sync"]:
+        window = WINDOW
+    pairs = shared.sizes.headline_steps // window
+    entry = (HEADLINE, final_settings, "every rung the waterfall kept")
+    descend(base, started, [entry], shared, roofs, rows, {}, pairs=pairs, judge=False)
+    base_row = rows[0]
+    final_row = rows[-1]
+    early = final_row["loss_rel_gap"]
+    curve = curve_gap(final_row["losses"], base_row["losses"])
+    count = min(len(final_row["losses"]), len(base_row["losses"]))
     print(f"derived: the first {EARLY_STEPS} steps' losses: largest relative gap "
           f"{early:.3%} (tolerance {LOSS_TOLERANCE:.2%})")
     print(f"derived: the curves smoothed over {SMOOTH} steps, all {count}: largest "
           f"relative gap {curve:.2%} (tolerance {CURVE_TOLERANCE:.0%})")
-    busy = ""
-    if final["unreliable"]:
-        busy = "  unreliable (machine busy)"
-    print(f"derived: the final rung is {ratio:.1f}x faster per step (its compile, "
-          f"{final['compile_s']:.0f} s, is left off the wall-clock axis){busy}")
     result = dict(steps=count, early_steps=EARLY_STEPS, smooth=SMOOTH,
                   loss_tolerance=LOSS_TOLERANCE, curve_tolerance=CURVE_TOLERANCE,
-                  early_gap=early, curve_gap=curve, time_ratio=ratio,
-                  compile_s=final["compile_s"])
+                  early_gap=early, curve_gap=curve, compile_s=final_row["compile_s"])
+    result.update(time_ratio=final_row["ratio"], time_ratio_low=final_row["ratio_low"],
+                  time_ratio_high=final_row["ratio_high"])
     checks = dict(headline_starts_the_same=early <= LOSS_TOLERANCE,
                   headline_same_curve=curve <= CURVE_TOLERANCE)
-    return dict(rungs=[base, final], headline=result, checks=checks)
+    return dict(rungs=rows, headline=result, checks=checks)
+
+
+def data_parallel(shared, final_settings, roofs):
+    """PREDICTION (PREDICTED["+ DDP"]): over NVLink DDP reaches 85-100% of world x one
+    GPU alone, the all-reduce hidden under backward; staged through host memory less; on
+    CPU ranks (gloo) 30-100%. 16-bit gradients: ~1.0x on NVLink, a few % staged.
+
+    Under torchrun: the final rung on each GPU alone, the whole batch in world times the
+    micro-batches of one rank's share (the same work per GPU as DDP, the same losses to
+    rounding), then DDP, then 16-bit gradients. DDP's tokens/s over world x one GPU alone
+    leaves what DDP adds: the all-reduce not hidden under backward."""
+    rows = []
+    skipped = {}
+    share = len(shared.batches[0][0]) // shared.world
+    held = memory_held(shared.device)
+    count, _, _ = size_rung(final_settings, shared, held, share)
+    why = f"the batch in {shared.world} x the micro-batches of one rank's share"
+    alone, started = start_first(ALONE, why, final_settings, shared, roofs,
+                                 count=count * shared.world)
+    entries = []
+    for entry in RUNGS:
+        if entry[0] in ("+ DDP", "+ bf16 gradient all-reduce"):
+            entries.append(entry)
+    descend(alone, started, entries, shared, roofs, rows, skipped)
+    for row in rows[1:]:  # against world x one GPU alone
+        row["scaling"] = row["speedup"] / shared.world
+        row["scaling_low"] = row["speedup_low"] / shared.world
+        row["scaling_high"] = row["speedup_high"] / shared.world
+        print(f"derived: {row['name']}: scaling {row['scaling']:.1%} "
+              f"[{row['scaling_low']:.1%}, {row['scaling_high']:.1%}] of "
+              f"{shared.world} x one GPU alone")
+    checks = dict(losses_track_baseline=True, time_split_adds_up=True)
+    for row in rows:
+        if row["loss_rel_gap"] > LOSS_TOLERANCE:
+            checks["losses_track_baseline"] = False
+        if min(row["profile"].values()) < 0:
+            checks["time_split_adds_up"] = False
+    return dict(rungs=rows, skipped=skipped, checks=checks)
 
 
 def pyplot():
@@ -802,30 +1412,31 @@ def pyplot():
     return plt
 
 
-def plot_waterfall(rungs, path):
+def plot_waterfall(rows, path):
     """Left: each rung's tokens/s (red: dropped); right: where a profiled step goes."""
     plt = pyplot()
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
-    names = [rung["name"] for rung in rungs]
+    names = [row["name"] for row in rows]
     colours = []
-    for rung in rungs:
-        if rung["kept"]:
+    for row in rows:
+        if row["kept"]:
             colours.append("tab:blue")
         else:
             colours.append("tab:red")
-    bars = left.barh(names, [rung["tokens_per_s"] for rung in rungs], color=colours)
-    left.bar_label(bars, [f"{rung['speedup']:.1f}x" for rung in rungs], fontsize=8)
-    left.set(xlabel="tokens/s (measured)", title="speed-up over the baseline (red: dropped)")
+    bars = left.barh(names, [row["tokens_per_s"] for row in rows], color=colours)
+    left.bar_label(bars, [f"{row['speedup']:.1f}x" for row in rows], fontsize=8)
+    left.set(xlabel="tokens/s (measured)",
+             title="speed-up over the baseline (red: dropped)")
     left.invert_yaxis()
-    stacked = np.zeros(len(rungs))
+    stacked = np.zeros(len(rows))
     for cls, colour in COLOURS.items():
-        share = np.array([rung["profile"][cls] / rung["profile_step_s"] for rung in rungs])
+        share = np.array([row["profile"][cls] / row["profile_step_s"] for row in rows])
         right.barh(names, share, left=stacked, label=cls, color=colour)
         stacked += share
-    right.set(xlabel="share of a profiled step (measured)", title="where a step's time goes",
-              xlim=(0, 1.45))  # room for the legend
+    right.set(xlabel="share of a profiled step (measured)",
+              title="where a step's time goes", xlim=(0, 1.5))  # room for the legend
     right.legend(fontsize=8, loc="center right")
     fig.subplots_adjust(left=0.22, right=0.98, wspace=0.05)  # room for the rungs' names
     fig.savefig(path, dpi=120)
@@ -839,10 +1450,10 @@ def plot_headline(result, path):
     if plt is None:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5), sharey=True)
-    for rung in result["rungs"]:
-        steps = np.arange(1, len(rung["losses"]) + 1)
-        left.plot(steps, rung["losses"], label=rung["name"])
-        right.plot(steps * rung["ms_per_step"] / 1e3, rung["losses"])
+    for row in result["rungs"]:
+        steps = np.arange(1, len(row["losses"]) + 1)
+        left.plot(steps, row["losses"], label=row["name"])
+        right.plot(steps * row["ms_per_step"] / 1e3, row["losses"])
     gap = result["headline"]["curve_gap"]
     left.set(xlabel="optimizer step", ylabel="training loss (measured)",
              title=f"the same curve: smoothed over {SMOOTH} steps, largest gap {gap:.2%}")
@@ -853,85 +1464,178 @@ def plot_headline(result, path):
     plt.close(fig)
     print(f"figure: {path}")
 
-# --- Flags, the shared state, main.
+def report_run(result):
+    """The run's verdicts: every prediction held or missed, the machine busy or not (with
+    what it slowed), every check."""
+    roofs = result["roofs"]
+    shares = list(roofs["cpu_shares"])
+    busy = []
+    if roofs["busy"]:
+        busy.append("the roofs")
+    predictions = {}
+    for row in result["rungs"]:
+        predictions[row["name"]] = row["prediction_held"]
+        shares += row["cpu_shares"]
+        if row["busy"]:
+            busy.append(row["name"])
+        if "floor" in row:
+            held = row["floor"]["prediction_held"]
+            predictions[f"the floor table of {row['name']}"] = held
+            shares += row["floor"]["cpu_shares"]
+            if row["floor"]["busy"]:
+                busy.append(f"the floor table of {row['name']}")
+    result.update(predictions=predictions, cpu_shares=shares, machine_busy=bool(busy))
+    for check, ok in result["checks"].items():
+        verdict = "FAILED"
+        if ok:
+            verdict = "ok"
+        print(f"check {check}: {verdict}")
+    if busy:
+        print(f"machine busy: other programs took the CPU during {', '.join(busy)}; the "
+              "marked numbers are not findings")
 
 
-def int_in(low, high):
-    """An argparse type: an integer from low to high."""
-    def parse(text):
-        value = int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text} is not in {low}..{high}")
-        return value
-    return parse
+def main():
+    args = parse_args()
+    json_file = None
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        json_file = open(args.json, "w")  # a path that cannot be written fails here
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no kineto log lines at each profile
+    shared, result = setup(args)
+    final_settings = None
+    if args.headline or shared.world > 1:
+        final_settings = read_final_rung(args.out)
+    try:
+        roofs = measure_roofs(shared)
+        roofs["datasheet_flops"] = result["device"]["datasheet_flops"]
+        report_roofs(roofs, result["device"]["name"], roofs["datasheet_flops"])
+        error = accumulation_error(shared)
+        report_accumulation(error)
+        if args.headline:
+            result.update(headline(shared, final_settings, roofs))
+        elif shared.world > 1:
+            result.update(data_parallel(shared, final_settings, roofs))
+        else:
+            result.update(single_device(shared, roofs))
+    finally:
+        if shared.world > 1:
+            dist.destroy_process_group()
+    result.update(roofs=roofs, accumulation_rel_diff=error)
+    result["checks"]["accumulated_gradient_equals_full_batch"] = error <= ACCUM_TOLERANCE
+    report_run(result)
+    result["wall_s"] = time.perf_counter() - start
+    print(f"wall time: {result['wall_s']:.0f} s")
+    if shared.rank == 0:
+        if args.headline:
+            plot_headline(result, args.out / "07_capstone_torch_headline.png")
+        elif shared.world > 1:
+            plot_waterfall(result["rungs"], args.out / "07_capstone_torch_ddp.png")
+        else:
+            plot_waterfall(result["rungs"], args.out / "07_capstone_torch.png")
+            write_final_rung(args.out, result)
+    if json_file is not None:
+        if shared.rank == 0:
+            json.dump(result, json_file, indent=1)
+        json_file.close()
+    failed = [name for name, ok in result["checks"].items() if not ok]
+    if failed:
+        sys.exit(f"check failed: {', '.join(failed)}")
+
+# --- Flags, the machine, the final rung's file.
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a toy, a step a rung (the tests)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--json", help="write every number here")
-    p.add_argument("--out", default="out", help="figure folder")
-    p.add_argument("--data", help="a UTF-8 text file (default: the stdlib's sources)")
-    p.add_argument("--tokenizer", choices=["auto", "gpt2", "bytes"], default="auto",
-                   help="auto: GPT-2 BPE when tiktoken can load it, else UTF-8 bytes")
-    p.add_argument("--batch", type=int_in(4, 256), help="sequences per step, a multiple of 4")
-    p.add_argument("--steps", type=int_in(1, 200),
-                   help="timed steps of a compiled rung (--headline: of each curve)")
-    p.add_argument("--headline", action="store_true", help="baseline vs final rung")
-    p.add_argument("--interconnect", choices=["default", "staged"], default="default",
-                   help="staged: NCCL without peer-to-peer, GPU to GPU via host memory")
-    args = p.parse_args(argv)
-    if args.batch is not None and args.batch % 4:
-        p.error("argument --batch: a multiple of 4 (the first rungs take 4 micro-batches)")
+def memory_gb(text):
+    """An argparse type: whole GiB of a card, 1 to 4096."""
+    value = int(text)
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"{text} GiB is not in 1..4096")
+    return value
+
+
+def sequences(text):
+    """An argparse type: sequences per optimizer step, 1 to 1024."""
+    value = int(text)
+    if not 1 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"{text} is not in 1..1024")
+    return value
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long smoke run (the tests)")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument("--out", type=Path, default=Path("out"),
+                        help="figure folder; the waterfall's final rung is kept there")
+    parser.add_argument("--data",
+                        help="a UTF-8 text file (default: the stdlib's sources)")
+    parser.add_argument("--tokenizer", choices=["auto", "gpt2", "bytes"], default="auto",
+                        help="auto: GPT-2 BPE if tiktoken can load it, else UTF-8 bytes")
+    parser.add_argument("--batch", type=sequences, help="sequences per optimizer step")
+    parser.add_argument("--memory-gb", type=memory_gb,
+                        help="as on a card of this many GiB: torch's allocator capped")
+    parser.add_argument("--headline", action="store_true",
+                        help="the baseline against the final rung of the last waterfall")
+    parser.add_argument("--interconnect", choices=["default", "staged"],
+                        default="default",
+                        help="staged: NCCL without peer-to-peer, via host memory")
+    # rank 0 prints a bad flag's message; the others exit 2 quietly
+    if int(os.environ.get("RANK", "0")) > 0:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = parser.parse_args()
+    else:
+        args = parser.parse_args()
     if args.quick and args.tokenizer == "gpt2":
-        p.error("--quick trains a toy vocabulary of UTF-8 bytes: --tokenizer gpt2 needs a "
-                "full run")
+        parser.error("--quick trains a toy vocabulary of UTF-8 bytes: --tokenizer gpt2 "
+                     "needs a full run")
     if args.headline and "RANK" in os.environ:
-        p.error("--headline runs on one device: start it with python, not torchrun")
+        parser.error("--headline runs on one device: start it with python, not torchrun")
     return args
 
 
-def check_paths(args):
-    """Before the work: --json a file name, --out a folder; their folders made now, else
-    one line and exit 1."""
-    folders = [args.out]
-    if args.json is not None:
-        if args.json == "" or Path(args.json).is_dir():
-            sys.exit(f"error: --json {args.json!r}: not a file name")
-        folders.append(str(Path(args.json).parent))
-    for folder in folders:
-        if folder == "":
-            sys.exit("error: --out: an empty path")
-        try:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            sys.exit(f"error: {folder}: {e.strerror}")
-        if not os.access(folder, os.W_OK):
-            sys.exit(f"error: {folder}: not writable")
+def memory_budget(device, gib):
+    """Bytes torch's allocator may use: on a GPU its free memory (the CUDA context and
+    other programs already hold the rest); with --memory-gb N, N GiB less what is held,
+    the allocator capped there, as on an N GiB card. A CPU: None (nothing sized), or N
+    GiB."""
+    if device.type != "cuda":
+        if gib is None:
+            return None
+        return gib * 2**30
+    free, total = torch.cuda.mem_get_info(device)
+    if gib is None:
+        return free
+    budget = min(free, gib * 2**30 - (total - free))
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    return budget
 
 
 def setup(args):
-    """The device (and under torchrun the process group), the sizes, the batches, one init,
-    the peaks; the first lines printed. Returns (Shared, peaks, flops per token, facts)."""
+    """The device (and under torchrun the process group), the sizes, the batches, one
+    init, the memory budget; the first lines printed. Returns (Shared, the run's facts)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     enough = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if args.device == "cuda" and not enough:
-        sys.exit("error: --device cuda: fewer CUDA GPUs here than processes (one GPU each)")
+        sys.exit("error: --device cuda: fewer CUDA GPUs here than processes (one "
+                 "GPU each)")
     device = torch.device("cpu")
     if args.device != "cpu" and enough:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if rank:
+    if rank > 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; errors still reach stderr
     if world > 1:  # torchrun started this process: a process group for the DDP rungs
-        comm = "gloo"
+        backend = "gloo"
         if device.type == "cuda":
-            comm = "nccl"
+            backend = "nccl"
         if args.interconnect == "staged":  # every GPU-to-GPU byte through host memory
             os.environ["NCCL_P2P_DISABLE"] = "1"
-        dist.init_process_group(comm, timeout=timedelta(seconds=120))
+        dist.init_process_group(backend, timeout=timedelta(seconds=300))
     sizes = Sizes()
     if device.type == "cuda":
         sizes = GPU
@@ -939,107 +1643,107 @@ def setup(args):
         sizes = QUICK
     if args.batch is not None:
         sizes = replace(sizes, batch=args.batch, headline_batch=args.batch)
-    if args.steps is not None:
-        sizes = replace(sizes, steps=args.steps, headline_steps=args.steps)
     batch = sizes.batch
     if args.headline:
         batch = sizes.headline_batch
     if batch % world:
         sys.exit(f"error: {batch} sequences per step do not split into {world} shares")
-    backend = "inductor"
+    compiler = "inductor"
     if args.quick and device.type == "cpu":  # the tests: dynamo captures the graphs and
-        backend = "eager"  # runs them eagerly (inductor's C++ build takes minutes)
-    torch._dynamo.reset()  # every run compiles afresh: no graph kept from an earlier run
-    name = platform.machine()
-    memory = f"{os.cpu_count()} cores"
-    dtype = torch.float32
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        memory = f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB"
-        dtype = torch.bfloat16
-    print(f"device: {name}, {memory} | torch {torch.__version__} | python "
-          f"{platform.python_version()} | compile backend {backend}")
+        compiler = "eager"  # runs them eagerly (inductor's C++ build takes minutes)
+    facts = describe_machine(device, compiler, args, world)
+    budget = memory_budget(device, args.memory_gb)
+    describe_memory(device, facts["device"]["memory_bytes"], budget, args.memory_gb)
+    bf16_ok, bf16_why = has_bf16_tensor_cores(device)
+    if not bf16_ok:
+        print(f"bf16: {bf16_why}: the bf16 rungs are skipped")
     choice = args.tokenizer
     if args.quick:  # the toy vocabulary: UTF-8 bytes
         choice = "bytes"
     tokens, tokenizer = load_tokens(args.data, choice, sizes.block_size + 2)
-    steps = WARMUP + max(sizes.steps, sizes.eager_steps, sizes.headline_steps) + 1
     batches = []
-    for i in range(steps):
+    for i in range(max(BATCHES, sizes.headline_steps + 8)):
         x, y = get_batch(tokens, i, batch, sizes.block_size)
         batches.append((torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)))
-    torch.manual_seed(0)  # one init for every rung (the padded vocab; GPT-2's rows a prefix)
+    torch.manual_seed(0)  # one init for every rung (padded vocab; GPT-2's rows a prefix)
     init_state = GPT(model_config(sizes, dict(BASELINE, pad_vocab=True))).state_dict()
-    shared = Shared(device, sizes, batches, init_state, backend, rank, world)
     flops = flops_per_token(model_config(sizes, BASELINE))  # GPT-2 as shipped: 50257
-    peaks = dict(datasheet=None, measured=None)
-    if device.type == "cuda":
-        peaks["datasheet"] = datasheet_bf16_peak(name)
-    peaks["measured"] = matmul_peak(device, dtype, sizes.peak_size, sizes.peak_samples)
-    datasheet_tflops = None
-    if peaks["datasheet"] is not None:
-        datasheet_tflops = peaks["datasheet"] / 1e12
+    shared = Shared(device, sizes, batches, init_state, compiler, budget,
+                    energy_meter(device), flops, bf16_ok, bf16_why, rank, world)
     print(f"data: {len(tokens):,} tokens ({tokenizer}), {batch} x {sizes.block_size} "
-          f"tokens per step; model {sizes.model} ({sizes.n_layer} layers, d={sizes.n_embd})")
+          f"tokens per optimizer step on every card; model {sizes.model} "
+          f"({sizes.n_layer} layers, d={sizes.n_embd})")
     print(f"derived: flops_per_token = 6N + 12LTd = {flops / 1e6:.1f} MFLOP")
-    print(f"reference: datasheet dense bf16 peak {fmt(datasheet_tflops)} TFLOP/s (NVIDIA)")
-    print(f"measured: {sizes.peak_size} x {sizes.peak_size} {dtype} matmul peak (burst) "
-          f"{peaks['measured'] / 1e12:.3g} TFLOP/s")
+    facts.update(sizes=asdict(sizes), tokenizer=tokenizer, flops_per_token=flops,
+                 tokens_per_step=batch * sizes.block_size, memory_budget_bytes=budget)
+    return shared, facts
+
+
+def describe_machine(device, compiler, args, world):
+    """The first line: the device, the frameworks; the run's facts for the JSON."""
+    name = platform.machine()
+    memory = None
+    capability = None
+    datasheet_flops = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        memory = torch.cuda.get_device_properties(device).total_memory
+        capability = list(torch.cuda.get_device_capability(device))
+        datasheet_flops = datasheet_bf16_peak(name)
+    python = platform.python_version()
+    print(f"device: {name} | torch {torch.__version__} | python {python} | compile "
+          f"backend {compiler}")
     if world > 1:
-        print(f"interconnect: {args.interconnect} ({world} processes, {dist.get_backend()})")
-    facts = dict(device=dict(name=name, type=device.type, memory=memory),
-                 framework=dict(torch=torch.__version__, python=platform.python_version()),
-                 sizes=asdict(sizes), tokenizer=tokenizer, flops_per_token=flops,
-                 tokens_per_step=batch * sizes.block_size, peak_flops=peaks, world=world,
-                 interconnect=args.interconnect)
-    return shared, peaks, flops, facts
+        print(f"interconnect: {args.interconnect} ({world} processes, "
+              f"{dist.get_backend()})")
+    return dict(lesson="07_capstone_torch", quick=args.quick,
+                device=dict(name=name, type=device.type, memory_bytes=memory,
+                            capability=capability, datasheet_flops=datasheet_flops),
+                framework=dict(torch=torch.__version__, python=python),
+                world=world, interconnect=args.interconnect)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    check_paths(args)
-    start = time.perf_counter()
-    warnings.filterwarnings("ignore", message=".*dynamo_pgo force disabled")
-    warnings.filterwarnings("ignore", message=".*Profiler clears events")  # one a rung
-    for name in ("torch._dynamo.variables.torch", "torch._dynamo.variables.ctx_manager"):
-        quiet = logging.getLogger(name)  # dynamo ignores the profiler's marks (DDP's): we know
-        quiet.addFilter(lambda record: "will be ignored" not in str(record.msg))
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no "USDT" lines around each profile
-    torch._inductor.config.force_disable_caches = True  # every compile cold: its time true
-    torch._inductor.config.cpp.enable_kernel_profile = True  # CPU kernels named in profiles
-    shared, peaks, flops, result = setup(args)
-    try:
-        if args.headline:
-            result.update(headline(shared, flops, peaks))
+def describe_memory(device, memory, budget, gib):
+    if device.type != "cuda":
+        if budget is None:
+            print("memory: a CPU: one micro-batch a step (--memory-gb N sizes for N GiB)")
         else:
-            result.update(waterfall(shared, flops, peaks))
-    finally:
-        if shared.world > 1:
-            dist.destroy_process_group()
-    result.update(lesson="07_capstone_torch", quick=args.quick,
-                  wall_s=time.perf_counter() - start)
-    for check, ok in result["checks"].items():
-        verdict = "FAILED"
-        if ok:
-            verdict = "ok"
-        print(f"check {check}: {verdict}")
-    print(f"wall time: {result['wall_s']:.0f} s")
-    if shared.rank == 0:
-        if args.headline:
-            plot_headline(result, Path(args.out) / "07_capstone_torch_headline.png")
-        else:
-            plot_waterfall(result["rungs"], Path(args.out) / "07_capstone_torch.png")
-    if args.json and shared.rank == 0:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    failed = [check for check, ok in result["checks"].items() if not ok]
-    if failed:
-        sys.exit(f"error: check failed: {', '.join(failed)}")
+            print(f"memory: sized for {gib} GiB (--memory-gb; a CPU's allocator is not "
+                  "capped)")
+        return
+    if gib is None:
+        print(f"memory: {memory / 2**30:.1f} GiB card, {budget / 2**30:.1f} GiB free "
+              "for this run: each rung's micro-batches sized for it")
+    else:
+        print(f"memory: as on a {gib} GiB card: torch's allocator capped at "
+              f"{budget / 2**30:.1f} GiB ({gib} less what the CUDA context holds)")
+
+
+def write_final_rung(out, result):
+    """The final rung's settings, for --headline and torchrun to read."""
+    [row] = [row for row in result["rungs"] if row["name"] == result["final_rung"]]
+    path = out / "07_capstone_torch_final_rung.json"
+    with open(path, "w") as f:
+        json.dump(dict(rung=row["name"], settings=row["settings"],
+                       device=result["device"]["name"]), f, indent=1)
+    print(f"final rung: {row['name']} (its settings in {path})")
+
+
+def read_final_rung(out):
+    """The settings of the last waterfall's final rung, from --out."""
+    path = out / "07_capstone_torch_final_rung.json"
+    if not path.is_file():
+        sys.exit(f"error: {path}: no final rung yet: run the waterfall first "
+                 f"(python 07_capstone_torch.py --out {out})")
+    saved = json.loads(path.read_text())
+    print(f"final rung: {saved['rung']}, as the waterfall on {saved['device']} found it "
+          f"({path})")
+    settings = dict(BASELINE)
+    settings.update(saved["settings"])
+    settings["ddp"] = False
+    settings["bf16_grads"] = False
+    return settings
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    main()

@@ -13,10 +13,13 @@ and be compared on the same FLOPs (the config and its accounting come from model
 
 Precision is explicit, as JAX does it: parameters are stored in `param_dtype` (fp32), and
 the matmuls compute in `dtype` (bf16 for mixed precision). The residual stream and the
-LayerNorms stay fp32, and the loss is taken on fp32 logits, as under torch.autocast.
+LayerNorms stay fp32, and the loss is taken on fp32 logits, as under torch.autocast. With
+`config.bf16_residual` the residual stream is carried in `dtype` too (half the bytes every
+add and LayerNorm reads and writes); the LayerNorms still compute in fp32.
 """
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import model_torch
 from model_torch import GPTConfig  # one config, one FLOP formula for both frameworks
 
 normal = nnx.initializers.normal
@@ -37,7 +41,7 @@ class CausalSelfAttention(nnx.Module):
         self.n_head = config.n_head
         self.attn = config.attn
         self.dtype = dtype
-        self.attn_impl = attn_impl  # dot_product_attention's backend: None, "xla", "cudnn"
+        self.attn_impl = attn_impl  # dot_product_attention's: None, "xla", "cudnn"
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
                          bias_init=nnx.initializers.zeros, rngs=rngs)
         self.c_attn = linear(d, 3 * d, kernel_init=normal(0.02))  # q, k, v in one matmul
@@ -46,7 +50,7 @@ class CausalSelfAttention(nnx.Module):
     def __call__(self, x):
         B, T, C = x.shape  # batch, sequence length, embedding dim (n_embd)
         q, k, v = jnp.split(self.c_attn(x), 3, axis=2)
-        # nh heads of hs = C // nh channels each; JAX's attention keeps heads as the third axis
+        # nh heads of hs = C // nh channels each; JAX's attention keeps heads third
         k = k.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
         q = q.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
         v = v.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
@@ -55,11 +59,11 @@ class CausalSelfAttention(nnx.Module):
             y = jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, implementation=self.attn_impl)  # (B, T, nh, hs)
         else:
-            # the textbook version: a (B, nh, T, T) matrix is written, softmaxed and read back
-            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(k.shape[-1])  # (B, nh, T, T)
+            # the textbook version: a (B, nh, T, T) matrix written, softmaxed, read back
+            att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(k.shape[-1])
             causal = jnp.tril(jnp.ones((T, T), dtype=bool))
             att = jnp.where(causal, att, -jnp.inf)
-            att = jax.nn.softmax(att.astype(jnp.float32), axis=-1)  # fp32, as under autocast
+            att = jax.nn.softmax(att.astype(jnp.float32), axis=-1)  # fp32, as autocast
             y = jnp.einsum("bhqk,bkhd->bqhd", att.astype(self.dtype), v)  # (B, T, nh, hs)
         y = y.reshape(B, T, C)  # re-assemble the heads: (B, T, C)
         return self.c_proj(y)
@@ -76,7 +80,8 @@ class MLP(nnx.Module):
         self.c_proj = linear(4 * d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
 
     def __call__(self, x):
-        return self.c_proj(jax.nn.gelu(self.c_fc(x), approximate=True))  # GPT-2's tanh GELU
+        hidden = jax.nn.gelu(self.c_fc(x), approximate=True)  # GPT-2's tanh GELU
+        return self.c_proj(hidden)
 
 
 class Block(nnx.Module):
@@ -92,7 +97,7 @@ class Block(nnx.Module):
 
     def __call__(self, x):
         x = x + self.attn(self.ln_1(x))  # bf16 branch + fp32 residual -> fp32 residual
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.mlp(self.ln_2(x))  # (bf16_residual: bf16 + bf16 -> bf16)
         return x
 
 
@@ -100,7 +105,7 @@ class GPT(nnx.Module):
 
     def __init__(self, config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None,
                  attn_impl=None):
-        assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual, not {config.attn!r}"
+        assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual: {config.attn!r}"
         if rngs is None:
             rngs = nnx.Rngs(0)
         self.config = config
@@ -116,8 +121,12 @@ class GPT(nnx.Module):
 
     def __call__(self, idx, targets=None):
         B, T = idx.shape
-        assert T <= self.config.block_size, f"sequence length {T} > {self.config.block_size}"
+        assert T <= self.config.block_size, f"length {T} > {self.config.block_size}"
         x = self.wte(idx) + self.wpe(jnp.arange(T))  # fp32 residual stream
+        if self.config.bf16_residual:
+            # the residual stream in the compute dtype: every block's adds then stay in
+            # it; each LayerNorm reads it and computes in fp32, as model_torch's does
+            x = x.astype(self.dtype)
         for block in self.h:
             if self.config.checkpoint:
                 # keep only the block's input; recompute its insides during backward
@@ -127,7 +136,8 @@ class GPT(nnx.Module):
         x = self.ln_f(x)
         wte = self.wte.embedding[...]
         if self.config.fused_classifier and targets is not None:
-            loss = fused_classifier(x.reshape(B * T, -1), wte, targets.reshape(B * T), self.dtype)
+            tokens = x.reshape(B * T, -1)
+            loss = fused_classifier(tokens, wte, targets.reshape(B * T), self.dtype)
             return None, loss
         logits = x.astype(self.dtype) @ wte.astype(self.dtype).T  # tied lm_head
         loss = None
@@ -137,8 +147,8 @@ class GPT(nnx.Module):
 
 
 def cross_entropy(logits, targets):
-    """Mean cross-entropy on fp32 logits (bf16 would lose precision). The target's logit is
-    picked with a one-hot mask, which XLA fuses into the reductions and the softmax's
+    """Mean cross-entropy on fp32 logits (bf16 would lose precision). The target's logit
+    is picked with a one-hot mask, which XLA fuses into the reductions and the softmax's
     gradient; a gather (optax's integer-label loss) costs XLA extra passes over the
     B x T x V logits."""
     logits = logits.astype(jnp.float32)
@@ -169,10 +179,11 @@ def fused_classifier(x, wte, targets, dtype):
     model_torch.FusedClassifier: no N x V tensor exists. A custom_vjp, so its forward (a
     lax.scan over the chunks) forms each chunk's loss and gradient and folds the gradient
     into dx = g W and dW = g^T x at once; its backward only scales the saved dx and dW.
-    (A scan under jax.checkpoint would be shorter, but it would recompute the head's matmul
-    in backward: one more N x V x d matmul.) x (N, d) fp32, wte (V, d), targets (N,)."""
+    (A scan under jax.checkpoint would be shorter, but it would recompute the head's
+    matmul in backward: one more N x V x d matmul.) x (N, d) fp32, wte (V, d), targets
+    (N,)."""
     n, d = x.shape
-    full = n // CLASSIFIER_CHUNK * CLASSIFIER_CHUNK  # tokens in whole chunks; the rest after
+    full = n // CLASSIFIER_CHUNK * CLASSIFIER_CHUNK  # tokens in whole chunks, then a rest
 
     def forward(x, wte):
         w = wte.astype(dtype)
@@ -211,7 +222,7 @@ def fused_classifier(x, wte, targets, dtype):
 
 
 def adamw(lr=6e-4, weight_decay=0.1, betas=(0.9, 0.95)):
-    """AdamW as model_torch.configure_optimizer: matrices decay, biases and gains do not."""
+    """AdamW as model_torch.configure_optimizer: matrices decay, biases, gains do not."""
     decay = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     return optax.adamw(lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=weight_decay,
                        mask=decay)
@@ -233,9 +244,96 @@ def make_train_step(graphdef, donate=False):
     return jax.jit(train_step, donate_argnums=(0,) if donate else ())
 
 
+# ---------------------------------------------------------------------------------------
+# Accounting that differs from model_torch's: what JAX keeps for the backward, op by op.
+
+def residual_bytes(config, batch_size, dtype=jnp.float32):
+    """Bytes of the values JAX's autodiff keeps for the backward of one batch's loss when
+    the step runs op by op (no jax.jit): the arrays the backward function of jax.vjp
+    closes over, counted from shapes alone by jax.eval_shape (nothing computed or held).
+    Op by op JAX keeps every intermediate its rules need, so this is more than torch's
+    autograd keeps (model_torch.activation_bytes): each T x T value of the manual softmax
+    (scores, exponentials, probabilities) and the tanh GELU's intermediates. Under jax.jit
+    XLA decides what it keeps; ask it: `compiled.memory_analysis()`."""
+    model = nnx.eval_shape(lambda: GPT(config, dtype))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tokens = jax.ShapeDtypeStruct((batch_size, config.block_size), jnp.int32)
+
+    def backward_closure(params, x):
+        def loss_of(params):
+            logits, _ = nnx.merge(graphdef, params, rest)(x)
+            return cross_entropy(logits, x)
+
+        _, backward = jax.vjp(loss_of, params)
+        return jax.tree.leaves(backward)  # the residuals: what backward needs
+
+    saved = 0
+    for leaf in jax.eval_shape(backward_closure, params, tokens):
+        saved += leaf.size * leaf.dtype.itemsize
+    return saved
+
+
+# The loss's forward and backward, op by op, hold up to four fp32 B x T x V values at
+# once beside the residuals (the logits' exponentials, their one-hot select, the gradient
+# and its scaled copy): with them, eager_peak_bytes came within 2% of the allocator's peak
+# of an un-jitted GPT-2 step on one H200 (16 x 1024 tokens, fp32).
+EAGER_LOSS_TEMPORARIES = 4
+
+
+def eager_peak_bytes(config, batch_size, dtype=jnp.float32):
+    """Predicted peak of an un-jitted training step with AdamW over micro-batches of
+    batch_size rows: the fp32 parameters, their gradients, the running sum of gradients
+    and AdamW's two moments (5 x 4 bytes a parameter), one micro-batch's residuals
+    (residual_bytes), and the loss's temporaries."""
+    state = 20 * model_torch.param_count(config)
+    logits = 4 * batch_size * config.block_size * config.vocab_size  # fp32 B x T x V
+    residuals = residual_bytes(config, batch_size, dtype)
+    return state + residuals + EAGER_LOSS_TEMPORARIES * logits
+
+
+def predicted_peak_bytes(config, batch_size, bf16=False):
+    """Predicted peak of a jitted (XLA) training step with AdamW, one micro-batch of
+    batch_size rows, on one device: what XLA's plans of GPT-2 steps show it keeps, counted
+    with model_torch's terms. XLA's own plan (`compiled.memory_analysis()`) is the answer;
+    this is the prediction made before compiling. Where XLA differs from torch's autograd:
+      the state twice: params and AdamW's moments as the step's inputs and its outputs
+                (without donation both exist at once), plus the gradients and their sum
+      blocks    model_torch.block_activation_terms as for fused attention; manual
+                attention adds the T x T scores and probabilities, both kept (2 per head
+                and token, at the compute dtype's width), not torch's fp32 probabilities
+      head      the logits and their gradient at the compute dtype: XLA fuses the loss's
+                fp32 softmax into the gradient, no fp32 log-softmax is kept; the fused
+                classifier: a chunk's fp32 logits, their softmax and gradient, and dW
+      recompute checkpointing: one block's insides alive again in backward"""
+    c = config
+    T = c.block_size
+    tokens = batch_size * T
+    n = model_torch.param_count(c)
+    width = 4  # bytes of a value in the compute dtype
+    if bf16:
+        width = 2
+    state = 2 * 12 * n + 2 * 4 * n
+    fused = replace(c, attn="sdpa")
+    per_token = sum(model_torch.block_activation_terms(fused, T, bf16).values())
+    if c.attn == "manual" and not c.checkpoint:
+        per_token += 2 * width * c.n_head * T
+    activations = tokens * c.n_layer * per_token
+    head = 2 * width * c.vocab_size * tokens
+    if c.fused_classifier:
+        chunk = min(tokens, model_torch.CLASSIFIER_CHUNK)
+        head = 3 * 4 * c.vocab_size * chunk + 4 * c.vocab_size * c.n_embd
+    recompute = 0
+    if c.checkpoint:
+        plain = replace(c, checkpoint=False)
+        inside = model_torch.block_activation_terms(plain, T, bf16)
+        recompute = tokens * sum(inside.values())
+    return state + activations + head + recompute
+
+
 def from_torch(model, state_dict):
     """Copy a model_torch.GPT state dict into this model (in place): same weights, same
-    function. torch's Linear stores (out, in) and computes x W^T; nnx's kernel is (in, out)."""
+    function. torch's Linear stores (out, in) and computes x W^T; nnx's kernel is
+    (in, out)."""
     sd = {k: jnp.asarray(v.detach().float().cpu().numpy()) for k, v in state_dict.items()}
     model.wte.embedding[...] = sd["transformer.wte.weight"]
     model.wpe.embedding[...] = sd["transformer.wpe.weight"]
@@ -279,13 +377,16 @@ if __name__ == "__main__":
     with jax.default_matmul_precision("highest"):  # true fp32 (a GPU would use TF32)
         model = from_torch(GPT(config), torch_model.state_dict())
         err = float(jnp.abs(model(jnp.asarray(idx))[0] - torch_logits).max())
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {name} fp32 logits vs torch "
-          f"(CPU): max |diff| = {err:.2e} (measured)")
+    kind = jax.devices()[0].device_kind
+    print(f"jax {jax.__version__} on {kind}: {name} fp32 logits vs torch (CPU): "
+          f"max |diff| = {err:.2e} (measured)")
     assert err < 1e-4, err
 
     model = GPT(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    x, y = jnp.asarray(np.random.default_rng(1).integers(0, 50257, (2, 4, config.block_size)))
+    ids = np.random.default_rng(1).integers(0, 50257, (2, 4, config.block_size))
+    x = jnp.asarray(ids[0])
+    y = jnp.asarray(ids[1])
     loss_and_grad = jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p)(x, y)[1]))
     for step in range(3):  # step 0 compiles
         t0 = time.perf_counter()
@@ -293,7 +394,7 @@ if __name__ == "__main__":
         dt = time.perf_counter() - t0
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use", float("nan")) / 2**30
-    print(f"jax: {name}, bf16 compute, B=4, T={config.block_size}: loss {float(loss):.4f} "
-          f"(ln V = {math.log(config.vocab_size):.4f}), fwd+bwd {dt * 1e3:.1f} ms (measured), "
-          f"peak {peak:.2f} GiB (measured)")
-    assert math.isfinite(float(loss)) and abs(float(loss) - math.log(config.vocab_size)) < 0.5
+    print(f"jax: {name}, bf16 compute, B=4, T={config.block_size}: loss {loss:.4f} "
+          f"(ln V = {math.log(config.vocab_size):.4f}), fwd+bwd {dt * 1e3:.1f} ms "
+          f"(measured), peak {peak:.2f} GiB (measured)")
+    assert abs(float(loss) - math.log(config.vocab_size)) < 0.5, "loss far from ln V"
