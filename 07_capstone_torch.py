@@ -416,7 +416,7 @@ def energy_meter(device):
     try:
         pynvml.nvmlInit()
         uuid = "GPU-" + str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())  # bytes: any binding
         pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # mJ since the driver loaded
     except pynvml.NVMLError:  # no counter on this GPU (or a MIG slice)
         return None
@@ -786,7 +786,7 @@ def compare(incumbent, candidate, shared, pairs):
     candidate_ms = [s / window * 1e3 for s in seconds[1]]
     tokens_per_joule = None
     timed_s = sum(seconds[1])
-    if shared.meter is not None and timed_s >= ENERGY_MIN_SECONDS:
+    if shared.meter is not None and timed_s >= ENERGY_MIN_SECONDS and joules[0] > 0:
         tokens = len(shared.batches[0][0][candidate.rows]) * shared.sizes.block_size
         tokens_per_joule = tokens * pairs * window / joules[0]  # this GPU's own
     return dict(incumbent_ms=incumbent_ms, candidate_ms=candidate_ms, window=window,
@@ -1019,8 +1019,8 @@ def next_rung(name, settings, incumbent, shared, pairs):
             candidate, started = start_rung(name, settings, shared, count, held)
             timing = compare(incumbent, candidate, shared, pairs)
             return candidate, started, timing
-        except torch.OutOfMemoryError:
-            pass  # the exception holds the candidate's memory: freed once it is gone
+        except torch.OutOfMemoryError:  # the exception holds the candidate's memory:
+            candidate = started = None  # freed once it is gone (and these, if compare ran)
         free_memory(shared.device)
         larger = more_micro_batches(rows, count)
         said = f"   prediction missed: out of memory with {count} micro-batches"
@@ -1267,6 +1267,12 @@ def report_floor(floor):
     above = worst["measured_ms"] - worst["floor_ms"]
     print(f"derived: the step is {total:.2f}x its floor; {largest} is furthest above its "
           f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}")
+    below = floor_below_measured(floor)
+    if floor["checked"] and below:
+        print("derived: every class took at least its floor, as a lower bound must")
+    if floor["checked"] and not below:
+        print("derived: a class ran faster than its floor: it beat the measured roof, or "
+              "the count of its FLOPs or bytes is too high (not a failed run: a timing)")
     held = "held"
     if not floor["prediction_held"]:
         held = "missed"
@@ -1274,8 +1280,9 @@ def report_floor(floor):
 
 
 def floor_below_measured(floor):
-    """Every floor at or below its measured time: a floor above it means a count is
-    wrong."""
+    """Every floor at or below its measured time. A floor above it means its class beat
+    the roofs measured for this run, or a count is wrong: reported, never a failed run,
+    since both sides are timings."""
     for c in floor["classes"].values():
         if c["floor_ms"] > c["measured_ms"]:
             return False
@@ -1313,9 +1320,6 @@ def single_device(shared, roofs):
             checks["losses_track_baseline"] = False
         if min(row["profile"].values()) < 0:
             checks["time_split_adds_up"] = False
-    for floor in floors:
-        if floor["checked"]:
-            checks["floor_below_measured"] = floor_below_measured(floor)
     for row, before in zip(rows[1:], rows):
         if row["settings"]["checkpoint"] and not before["settings"]["checkpoint"]:
             plain = dict(row["settings"], checkpoint=False)

@@ -106,6 +106,10 @@ class LayerNorm(nn.LayerNorm):
         if x.dtype != torch.bfloat16 or not torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         with torch.autocast(x.device.type, enabled=False):
+            if x.device.type == "cuda":  # CUDA's kernel wants its gain and bias in the
+                # input's dtype (fp32 gain: "expected scalar type BFloat16"); fp32 inside
+                return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype),
+                                    self.bias.to(x.dtype), self.eps)
             return super().forward(x)  # bf16 input, fp32 gain and bias: fp32 inside
 
 

@@ -1027,9 +1027,6 @@ class TestRoofline:
             if roofline_s < 5e-6:
                 expected = "overhead-bound"
             assert op["predicted"] == expected
-        # the tiny ones are predicted overhead-bound on any machine (< 13 kB of bytes)
-        assert run.json["ops"]["rows"]["vector_add_tiny"]["predicted"] == "overhead-bound"
-        assert run.json["ops"]["rows"]["matmul_tiny"]["predicted"] == "overhead-bound"
 
     def test_classifies_from_the_measurement(self, run):
         """The labels follow the stated rule from the measured numbers (whatever the load)."""
@@ -3521,8 +3518,6 @@ def capstone_torch_check_floor(floor, result):
     assert measured == pytest.approx(floor["step_ms"], rel=1e-6)  # idle is the rest
     for name, c in floor["classes"].items():
         assert c["floor_ms"] == pytest.approx(seconds.get(name, 0.0) * 1e3, rel=1e-12), name
-        if floor["checked"]:  # a GPU, not busy: the floors are bounds
-            assert c["floor_ms"] <= c["measured_ms"], f"{name}: a floor above its time"
     assert floor["floor_ms"] == pytest.approx(sum(c["floor_ms"] for c in floor["classes"].values()))
     excess = {name: c["measured_ms"] - c["floor_ms"] for name, c in floor["classes"].items()}
     assert floor["largest_excess"] == max(excess, key=excess.get)
