@@ -953,8 +953,10 @@ def prefill_decode(device, sizes, peak, bandwidth, roofs_busy):
         calls = sizes.weight_copies * GRAPH_REPLAYS
     rows = []
     probes = []
+    inputs = []  # a CUDA graph reads its input's memory at every replay: keep each alive
     for k in range(sizes.max_tokens_log2 + 1):
         x = torch.randn(2**k, D_MODEL, device=device, dtype=dtype)
+        inputs.append(x)  # (the next capture empties torch's cache: a freed x would go)
         rows.append(dict(tokens=2**k, **layer_flop_and_bytes(2**k, dtype.itemsize)))
         probes.append(layer_probe(x, weights, device))
     seconds = interleaved(probes, sizes.reps)

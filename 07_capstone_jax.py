@@ -943,22 +943,12 @@ def compare(incumbent, candidate, shared, pairs):
         window = WINDOW
     shared.host_batch(len(incumbent.losses) + (pairs + 1) * window)  # drawn before the
     shared.host_batch(len(candidate.losses) + pairs * window)  # clock starts
-    joules = [0.0]
 
     def incumbent_call():
         run_steps(incumbent, window, shared)
 
-    meter = shared.meter
-    if len(candidate.devices) > 1:
-        meter = None  # it reads the first GPU only: a sharded rung's tokens/J left out
-
     def candidate_call():
-        before = 0.0
-        if meter is not None:
-            before = meter()
         run_steps(candidate, window, shared)
-        if meter is not None:
-            joules[0] += meter() - before
 
     shares = [cpu_share()]
     if incumbent.settings["jit"]:
@@ -970,13 +960,27 @@ def compare(incumbent, candidate, shared, pairs):
     candidate.timed_steps = pairs * window
     incumbent_ms = [s / window * 1e3 for s in seconds[0]]
     candidate_ms = [s / window * 1e3 for s in seconds[1]]
-    tokens_per_joule = None
-    if meter is not None and sum(seconds[1]) >= ENERGY_MIN_SECONDS:
-        tokens = shared.batch * shared.sizes.block_size  # this GPU's tokens, its energy
-        tokens_per_joule = tokens * pairs * window / joules[0]
     return dict(incumbent_ms=incumbent_ms, candidate_ms=candidate_ms, window=window,
-                tokens_per_joule=tokens_per_joule, busy=min(shares) < BUSY_SHARE,
-                cpu_shares=shares)
+                busy=min(shares) < BUSY_SHARE, cpu_shares=shares)
+
+
+def tokens_per_joule(trainer, shared, step_ms):
+    """This GPU's tokens per joule (NVML's energy counter) over whole steps lasting at
+    least ENERGY_MIN_SECONDS, taken after the timed pairs: the counter is never read inside
+    a timed step (on an H100 two reads cost milliseconds, as much as two rungs differ).
+    None without NVML, and for a rung sharded over several devices (the meter reads the
+    first GPU only)."""
+    if shared.meter is None or len(trainer.devices) > 1:
+        return None
+    steps = math.ceil(ENERGY_MIN_SECONDS / (step_ms / 1e3))
+    shared.host_batch(len(trainer.losses) + steps)  # drawn before the counter is read
+    before = shared.meter()
+    run_steps(trainer, steps, shared)  # ends with the device synchronised
+    joules = shared.meter() - before
+    if joules <= 0:  # the counter did not move: too short a stretch to say
+        return None
+    tokens = shared.batch * shared.sizes.block_size  # this GPU's tokens, its energy
+    return tokens * steps / joules
 
 
 def decide(ratio, busy):
@@ -1306,7 +1310,7 @@ def descend(incumbent, started, entries, shared, roofs, rows, skipped, floor=Non
                         f"incumbent's are {incumbent_row['micro_batch_size']}")
         row.update(why=why, kept=kept, verdict=verdict, busy=timing["busy"])
         row["cpu_shares"] = timing["cpu_shares"]
-        row["tokens_per_joule"] = timing["tokens_per_joule"]
+        row["tokens_per_joule"] = tokens_per_joule(candidate, shared, row["ms_per_step"])
         row["predicted"] = list(predicted)
         row["prediction_held"] = predicted[0] <= ratio["ratio"] <= predicted[1]
         report_rung(row)

@@ -754,18 +754,12 @@ def compare(incumbent, candidate, shared, pairs):
     window = 1
     if not incumbent.settings["host_sync"] or not candidate.settings["host_sync"]:
         window = WINDOW
-    joules = [0.0]
 
     def incumbent_call():
         run_steps(incumbent, window, shared)
 
     def candidate_call():
-        before = 0.0
-        if shared.meter is not None:
-            before = shared.meter()
         run_steps(candidate, window, shared)
-        if shared.meter is not None:
-            joules[0] += shared.meter() - before
 
     shares = [cpu_share()]
     run_steps(incumbent, 1, shared)
@@ -784,13 +778,26 @@ def compare(incumbent, candidate, shared, pairs):
         busy = bool(agreed[-1] > 0)
     incumbent_ms = [s / window * 1e3 for s in seconds[0]]
     candidate_ms = [s / window * 1e3 for s in seconds[1]]
-    tokens_per_joule = None
-    timed_s = sum(seconds[1])
-    if shared.meter is not None and timed_s >= ENERGY_MIN_SECONDS and joules[0] > 0:
-        tokens = len(shared.batches[0][0][candidate.rows]) * shared.sizes.block_size
-        tokens_per_joule = tokens * pairs * window / joules[0]  # this GPU's own
     return dict(incumbent_ms=incumbent_ms, candidate_ms=candidate_ms, window=window,
-                tokens_per_joule=tokens_per_joule, busy=busy, cpu_shares=shares)
+                busy=busy, cpu_shares=shares)
+
+
+def tokens_per_joule(trainer, shared, step_ms):
+    """This GPU's tokens per joule (NVML's energy counter) over whole steps lasting at
+    least ENERGY_MIN_SECONDS, taken after the timed pairs: the counter is never read inside
+    a timed step (on an H100 two reads cost milliseconds, as much as two rungs differ).
+    None without NVML, and under torchrun (each rank would need the same step count)."""
+    if shared.meter is None or shared.world > 1:
+        return None
+    steps = math.ceil(ENERGY_MIN_SECONDS / (step_ms / 1e3))
+    sync(shared.device)
+    before = shared.meter()
+    run_steps(trainer, steps, shared)  # ends with the device synchronised
+    joules = shared.meter() - before
+    if joules <= 0:  # the counter did not move: too short a stretch to say
+        return None
+    tokens = len(shared.batches[0][0][trainer.rows]) * shared.sizes.block_size
+    return tokens * steps / joules
 
 
 def decide(ratio, busy):
@@ -1121,7 +1128,7 @@ def descend(incumbent, started, entries, shared, roofs, rows, skipped, floor=Non
                         f"incumbent's are {incumbent_row['micro_batch_size']}")
         row.update(why=why, kept=kept, verdict=verdict, busy=timing["busy"])
         row["cpu_shares"] = timing["cpu_shares"]
-        row["tokens_per_joule"] = timing["tokens_per_joule"]
+        row["tokens_per_joule"] = tokens_per_joule(candidate, shared, row["ms_per_step"])
         row["predicted"] = list(predicted)
         row["prediction_held"] = predicted[0] <= ratio["ratio"] <= predicted[1]
         report_rung(row)

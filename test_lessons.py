@@ -3746,8 +3746,9 @@ class TestCapstoneTorch:
         assert lesson.size_rung(settings, cpu, 0, 64)[0] == 1  # a CPU is not sized
 
     def test_tokens_per_joule_from_the_energy_counter(self, lesson, tmp_path, monkeypatch):
-        # NVML's counter faked: 2.5 J more at every read, so each timed call of the candidate
-        # (one read before, one after) costs 2.5 J: tokens/J = its tokens / (2.5 J x calls)
+        # NVML's counter faked: 2.5 J more at every read. The stretch is whole steps lasting
+        # ENERGY_MIN_SECONDS at the rung's step time, the counter read before and after it
+        # (never inside a timed step): tokens/J = its tokens / 2.5 J
         shared = capstone_torch_shared(lesson, tmp_path, monkeypatch)
         reads = []
 
@@ -3756,13 +3757,18 @@ class TestCapstoneTorch:
             return 2.5 * len(reads)
 
         shared.meter = meter
-        monkeypatch.setattr(lesson, "ENERGY_MIN_SECONDS", 0.0)
         incumbent = lesson.build(lesson.BASELINE, shared, 1, "incumbent")
         candidate = lesson.build(dict(lesson.BASELINE, host_sync=False), shared, 1, "candidate")
         timing = lesson.compare(incumbent, candidate, shared, pairs=3)
-        tokens = 4 * 16 * 3 * 4  # 4 x 16 a step, 3 calls of WINDOW = 4 steps
-        assert timing["tokens_per_joule"] == pytest.approx(tokens / (2.5 * 3))
+        assert reads == []  # no read inside the timed calls
         assert len(incumbent.losses) == 1 + 3 * 4 and len(candidate.losses) == 3 * 4
+        monkeypatch.setattr(lesson, "ENERGY_MIN_SECONDS", 0.35)
+        per_joule = lesson.tokens_per_joule(candidate, shared, step_ms=100.0)  # 4 steps
+        assert len(reads) == 2
+        assert per_joule == pytest.approx(4 * 16 * 4 / 2.5)  # 4 x 16 tokens a step
+        assert len(candidate.losses) == 3 * 4 + 4
+        shared.world = 2  # under torchrun every rank would need the same count: none
+        assert lesson.tokens_per_joule(candidate, shared, step_ms=100.0) is None
 
     def test_the_fix_predicted_from_the_floor_table(self, lesson):
         # known floors: what bf16_residual saves at the floor, and at the rate each class
@@ -4413,23 +4419,31 @@ class TestCapstoneJax:
                                   shared) is None
 
     def test_tokens_per_joule_from_nvml_readings(self, lesson, monkeypatch):
-        # NVML's energy read around each of the rung's timed calls: its tokens over the
-        # joules those calls took, only over >= ENERGY_MIN_SECONDS of them. A fake counter
-        # that moves 5 J between two readings, two toy rungs timed against each other
+        # NVML's energy read before and after whole steps lasting ENERGY_MIN_SECONDS at the
+        # rung's step time, after the timed pairs (never inside a timed step). A fake
+        # counter that moves 5 J between two readings
         shared = capstone_jax_toy_shared(lesson)
         readings = iter(range(0, 10000, 5))
-        shared.meter = lambda: next(readings)
+        reads = []
+
+        def meter():
+            reads.append(None)
+            return next(readings)
+
+        shared.meter = meter
         settings = dict(lesson.BASELINE, jit=True)
         incumbent = lesson.build(settings, shared, 1, "incumbent")
         candidate = lesson.build(settings, shared, 1, "candidate")
         for trainer in (incumbent, candidate):
             lesson.compile_step(trainer, shared)
-        monkeypatch.setattr(lesson, "ENERGY_MIN_SECONDS", 0.0)
-        timing = lesson.compare(incumbent, candidate, shared, 3)
+        lesson.compare(incumbent, candidate, shared, 3)
+        assert reads == []  # no read inside the timed calls
+        monkeypatch.setattr(lesson, "ENERGY_MIN_SECONDS", 0.25)
+        steps_before = len(candidate.losses)
+        per_joule = lesson.tokens_per_joule(candidate, shared, step_ms=100.0)  # 3 steps
+        assert len(candidate.losses) == steps_before + 3
         tokens = 4 * lesson.QUICK.block_size
-        assert timing["tokens_per_joule"] == pytest.approx(3 * tokens / (3 * 5))
-        monkeypatch.setattr(lesson, "ENERGY_MIN_SECONDS", 1e9)  # too short a stretch
-        assert lesson.compare(incumbent, candidate, shared, 1)["tokens_per_joule"] is None
+        assert per_joule == pytest.approx(3 * tokens / 5)
 
     def test_the_rule_in_words(self, lesson):
         def summary(low, ratio, high):
