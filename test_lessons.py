@@ -682,7 +682,8 @@ def model_jax_torch_loss_and_grads(model, idx, targets):
 
 class TestModelJax:
     @pytest.fixture(scope="class", autouse=True)
-    def highest(self):
+    @classmethod
+    def highest(cls):
         with jax.default_matmul_precision("highest"):  # true fp32 (GPUs default to TF32)
             yield
 
