@@ -3631,10 +3631,18 @@ class TestCapstoneTorch:
         # for step (each trains batch i at its step i from the one init)
         incumbents = capstone_torch_incumbents(run.json["rungs"])
         for row, incumbent in zip(run.json["rungs"], incumbents):
-            if row["name"] in ("+ no host sync per step", "+ fused classifier (logits never written)"):
+            if row["name"] == "+ no host sync per step":
                 steps = min(len(row["losses"]), len(incumbent["losses"]))
                 assert np.allclose(row["losses"][:steps], incumbent["losses"][:steps],
                                    rtol=1e-5, atol=0), row["name"]
+            if row["name"] == "+ fused classifier (logits never written)":
+                # the first step's loss: one forward, rounding alone; then each AdamW step
+                # amplifies rounding (chaos), still far below a wrong loss's gap (bf16 logits
+                # in the loss: ~3e-3)
+                assert row["losses"][0] == pytest.approx(incumbent["losses"][0], rel=1e-5)
+                early = min(len(row["losses"]), len(incumbent["losses"]), 10)
+                assert np.allclose(row["losses"][:early], incumbent["losses"][:early],
+                                   rtol=3e-4, atol=0), row["name"]
         fused = rows["+ fused classifier (logits never written)"]
         plain = dict(fused["settings"], fused_classifier=False)
         config = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32,
@@ -4221,8 +4229,13 @@ class TestCapstoneJax:
             if changed <= {"host_sync", "triton_gemm"}:
                 assert row["losses"][:common] == incumbent["losses"][:common], row["name"]
             if changed <= {"fused_classifier", "shard"}:
-                assert np.allclose(row["losses"][:common], incumbent["losses"][:common],
-                                   rtol=1e-5, atol=0), row["name"]
+                # the first step's loss: one forward, rounding alone; then each AdamW step
+                # amplifies rounding (chaos), still far below a wrong loss's gap (bf16 logits
+                # in the loss: ~3e-3)
+                assert row["losses"][0] == pytest.approx(incumbent["losses"][0], rel=1e-5)
+                early = min(common, 10)
+                assert np.allclose(row["losses"][:early], incumbent["losses"][:early],
+                                   rtol=3e-4, atol=0), row["name"]
 
     def test_profile_splits_the_step(self, run):
         # the kernel classes plus idle add up to the profiled step; the un-jitted rung, which
