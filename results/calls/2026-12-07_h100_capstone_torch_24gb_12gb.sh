@@ -1,5 +1,5 @@
 # One H100 as the book's 24 GB card, then as a 12 GB card: the torch capstone with
-# --memory-gb 24 and --memory-gb 12, back to back (the call had 500 s: the 12 GB run was
+# --memory-gb 24 and --memory-gb 12, back to back (500 s for both: the 12 GB run was
 # stopped at its time limit, 291 s in).
 #   bash results/calls/2026-12-07_h100_capstone_torch_24gb_12gb.sh
 source results/calls/gpu_lib.sh

@@ -1,4 +1,4 @@
-# Shared by the device calls: environment, a run() that logs and times each command, the
+# Shared by the GPU scripts: environment, a run() that logs and times each command, the
 # card's folder name, an archive of everything under $OUT.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
