@@ -43,7 +43,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from model_torch import (ALLOCATOR_HEADROOM, GPT, GPTConfig, activation_bytes,
                          activation_terms, flops_per_token, micro_batches, param_count,
-                         predicted_peak_bytes, state_bytes)
+                         predicted_peak_bytes, predicted_rise_bytes,
+                         recompute_flops_per_token, state_bytes)
 
 MiB = 2**20
 GiB = 2**30
@@ -510,8 +511,9 @@ def checkpointing(sizes, device, configurations, plain_rows):
     """PREDICTION: a checkpointed block keeps only its fp32 input, 4 d bytes per token
     instead of ~64 d in fp32: GPT-2, batch 8: activations 6,234 -> 1,908 MiB in fp32,
     4,442 -> 1,970 in bf16 (its weight copies are recomputed too); the tiny CPU GPT:
-    49.2 -> 19.0 MiB. Backward runs each block's forward again: 24 L d^2 + 4 L T d more
-    FLOPs per token, +24% for GPT-2 at T=1024 (+22% for the tiny GPT). So it costs time,
+    49.2 -> 19.0 MiB. Backward runs each block's forward again, up to its last matmul
+    (model_torch.recompute_flops_per_token): 16 L d^2 + 4 L T d more FLOPs per token,
+    +18% for GPT-2 at T=1024 (+17% for the tiny GPT). So it costs time,
     on a GPU and on a CPU: about its FLOPs' share where the step is compute-bound (GPT-2
     in fp32), more where the GPU waits for Python (a short bf16 step: the recompute's
     launches and the checkpoint's bookkeeping run on the CPU). The gradients equal the
@@ -519,9 +521,7 @@ def checkpointing(sizes, device, configurations, plain_rows):
     the same inputs."""
     config = sizes.model
     checkpointed = [c for c in configurations if c.checkpoint]
-    extra_flops = 24 * config.n_layer * config.n_embd**2
-    extra_flops += 4 * config.n_layer * config.block_size * config.n_embd
-    extra_share = extra_flops / flops_per_token(config)
+    extra_share = recompute_flops_per_token(config) / flops_per_token(config)
     print(f"\n[3] activation checkpointing, per block: batch {sizes.batch} x "
           f"{config.block_size} tokens")
     for c in checkpointed:
@@ -610,23 +610,6 @@ def report_checkpointing(result, plain_rows):
 # ---------------------------------------------------------------------------------------
 # 4. Gradient accumulation
 
-def predicted_rise(config, batch, grads_alive):
-    """The accounting's peak above the weights for one forward and backward in fp32 (no
-    AdamW step): at backward's start the activations and the head's two fp32 V-wide
-    gradients per token; at its end the gradients and the tied embedding's two V x d
-    ones, summed into its .grad. While accumulating, the earlier micro-batches' gradients
-    are alive throughout, and the embedding's sum is a third V x d, added into the .grad
-    that exists."""
-    grads = state_bytes(config)["grads"]
-    tokens = batch * config.block_size
-    start = activation_bytes(config, batch) + 8 * config.vocab_size * tokens
-    embedding = 8 * config.vocab_size * config.n_embd
-    if grads_alive:
-        start += grads
-        embedding = 12 * config.vocab_size * config.n_embd
-    return max(start, grads + embedding)
-
-
 def forward_backward(model, chunks):
     """The gradient of the mean loss over equal chunks, one chunk's graph alive at a time
     (each loss / len(chunks), adding into .grad): the most bytes one chunk saved."""
@@ -643,14 +626,14 @@ def accumulation(sizes, device):
     full batch's, so the sum of grad(loss_i / k) is grad(loss) up to fp32 rounding (~1e-6
     relative; 1e-4 allowed). Activations live one micro-batch at a time: the peak above
     the weights is one micro-batch's activations and head gradients plus the gradients
-    (kept from the first micro-batch on), not the whole batch's (predicted_rise), within
-    5%: GPT-2, 8 sequences: 9,378 MiB as one batch, 2,819 as 4 micro-batches of 2; the
+    (kept from the first micro-batch on), not the whole batch's (predicted_rise_bytes),
+    within 5%: GPT-2, 8 sequences: 9,378 MiB as one batch, 2,819 as 4 micro-batches of 2; the
     tiny CPU GPT, 4 sequences: 81.2 MiB, 25.5 as 4 micro-batches of 1."""
     config = sizes.model
     k = min(sizes.micro_batches, sizes.batch)
     micro = sizes.batch // k
-    predicted_full = predicted_rise(config, sizes.batch, grads_alive=False)
-    predicted_micro = predicted_rise(config, micro, grads_alive=True)
+    predicted_full = predicted_rise_bytes(config, sizes.batch, grads_alive=False)
+    predicted_micro = predicted_rise_bytes(config, micro, grads_alive=True)
     print(f"\n[4] gradient accumulation, fp32: {k} micro-batches of {micro} x "
           f"{config.block_size} tokens vs one batch of {sizes.batch}")
     print(f"predicted: gradients equal (<= 1e-4 relative); peak above the weights "

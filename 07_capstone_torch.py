@@ -86,7 +86,7 @@ RUNGS = [  # (name, what it changes, the regime it targets and why)
      "memory and bandwidth: the B x T x V logits are formed chunk by chunk, never "
      "whole, so peak memory falls (a larger micro-batch may fit); the same matmuls"),
     ("+ activation checkpointing", dict(checkpoint=True), "a memory fix: each block's "
-     "forward runs again in backward, ~1/3 more matmul FLOPs; it pays only where the "
+     "forward runs again in backward, ~18% more FLOPs for GPT-2; it pays only where the "
      "memory it frees lets a larger micro-batch fit"),
     ("+ bf16 residual stream", dict(bf16_residual=True), "bandwidth-bound: under "
      "autocast the residual stream, every LayerNorm's input and every add, moves in "

@@ -442,6 +442,34 @@ def predicted_peak_bytes(config, batch_size, bf16=False):
     return max(backward_start, backward_end)
 
 
+def predicted_rise_bytes(config, batch_size, grads_alive):
+    """The accounting's peak above the weights for one fp32 forward and backward (no AdamW
+    step): at backward's start the activations and the head's two fp32 V-wide gradients
+    per token; at its end the gradients and the tied embedding's two V x d ones, summed
+    into its .grad. While accumulating (grads_alive), the earlier micro-batches' gradients
+    are alive throughout, and the embedding's sum is a third V x d, added into the .grad
+    that exists."""
+    c = config
+    grads = state_bytes(c)["grads"]
+    tokens = batch_size * c.block_size
+    start = activation_bytes(c, batch_size) + 8 * c.vocab_size * tokens
+    embedding = 8 * c.vocab_size * c.n_embd
+    if grads_alive:
+        start += grads
+        embedding = 12 * c.vocab_size * c.n_embd
+    return max(start, grads + embedding)
+
+
+def recompute_flops_per_token(config):
+    """The FLOPs per token activation checkpointing adds: backward runs each block's
+    forward again, but torch's non-reentrant checkpoint stops once every tensor backward
+    needs is back, so the block's last matmul (the MLP's c_proj, whose output nothing
+    saves) is not run again: 2 x 8 L d^2 for the other matmuls (c_attn 3 d^2, attention's
+    c_proj d^2, c_fc 4 d^2) and 4 L T d for the attention scores."""
+    c = config
+    return 16 * c.n_layer * c.n_embd**2 + 4 * c.n_layer * c.block_size * c.n_embd
+
+
 # What a card needs beyond the tensors a step keeps alive: on one H200 with torch 2.11, the
 # largest fp32 GPT-2 batches found under an allocator cap were 16 sequences where the
 # tensors alone predicted 19 (24 GiB) and 111 where they predicted 120 (the whole card):
