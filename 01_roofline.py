@@ -180,9 +180,12 @@ MAX_INNER = 1000  # at most this many calls in one timed sample
 
 
 def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an
-    idle machine, less when other programs compete for the cores (a laptop at work, a
-    shared server). A GPU shared with another program is not seen here."""
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
     start_wall = time.perf_counter()
     start_cpu = time.thread_time()
     while time.perf_counter() - start_wall < seconds:

@@ -112,7 +112,10 @@ QUICK = dataclasses.replace(CPU, n_layer=2, vocab_size=4096, seq_len=32, reps=2,
 def cpu_share(seconds=0.05):
     """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
     machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). A GPU shared with another program is not seen here."""
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
     start_wall = time.perf_counter()
     start_cpu = time.thread_time()
     while time.perf_counter() - start_wall < seconds:
@@ -148,12 +151,12 @@ def timed(fns, reps, device=None):
     pause lands in a timed call, and the DDP replicas of earlier experiments (reference
     cycles) give back their GPU memory."""
     gc.collect()
-    shares = [cpu_share()]
+    shares = [share_now()]
     for fn in fns.values():
         fn()
         fn()
     seconds = interleaved(list(fns.values()), reps, device)
-    shares.append(cpu_share())
+    shares.append(share_now())
     if dist.is_initialized():
         seconds = across_ranks(seconds, dist.ReduceOp.MAX, device)
         shares = across_ranks(shares, dist.ReduceOp.MIN, device)
@@ -161,6 +164,20 @@ def timed(fns, reps, device=None):
     for name, samples in zip(fns, seconds):
         ms[name] = [s * 1e3 for s in samples]
     return dict(ms=ms, shares=shares, busy=min(shares) < BUSY_SHARE)
+
+
+def share_now():
+    """cpu_share(); under torchrun on rank 0 alone, once every rank has reached a barrier
+    and while the others wait in a second one (asleep there): the lesson's own ranks are
+    not other programs. The other ranks say 1.0 (the minimum over ranks is rank 0's)."""
+    if not dist.is_initialized():
+        return cpu_share()
+    dist.barrier()  # no rank still at its last work
+    share = 1.0
+    if dist.get_rank() == 0:
+        share = cpu_share()
+    dist.barrier()
+    return share
 
 
 def across_ranks(values, op, device):
@@ -185,6 +202,12 @@ def compared(timing, slow, fast):
     return dict(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios),
                 finding=finding, saves_ms=statistics.median(a) - statistics.median(b),
                 busy=timing["busy"])
+
+
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
 
 
 def mark(c):
@@ -356,7 +379,7 @@ def report_torch_step_time(step_time, tensors, buckets, trace, predictions):
     held(predictions, "ddp_buckets_overlap", ok,
          f"all-reduces {hand['calls_per_step']:.0f} and {ddp['calls_per_step']:.0f} "
          f"(predicted {tensors} and {buckets}), overlap {hand['overlap']:.0%} and "
-         f"{ddp['overlap']:.0%}")
+         f"{ddp['overlap']:.0%}{busy_mark(c['busy'])}")
 
 
 def overlap_as_predicted(overlap, buckets):

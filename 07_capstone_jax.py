@@ -139,6 +139,7 @@ PREDICTED["un-jitted (op-by-op)"] = dict(gpu=(0.0, 0.05), cpu=(0.0, 0.3))
 PREDICTED["final rung, one device alone"] = dict(gpu=(0.3, 0.7), cpu=(0.0, 0.9))
 PREDICTED["the first jitted rung (fp32 matmuls)"] = dict(gpu=(0.0, 0.1), cpu=(0.0, 0.9))
 PREDICTED["final rung (every rung kept)"] = dict(gpu=(5.0, 20.0), cpu=(0.8, 3.0))
+FLOOR_PREDICTED = dict(gpu=(1.2, 1.6), cpu=(2.0, None))  # the step over its floor
 BASE = "un-jitted (op-by-op)"  # the waterfall's first incumbent
 FLOOR_FIX = "+ bf16 residual stream"  # measured after the floor table, predicted from it
 SHARDED = "+ data-parallel sharding"  # needs several devices
@@ -310,7 +311,10 @@ def get_batch(tokens, step, batch_size, seq_len, seed=0):
 def cpu_share(seconds=0.05):
     """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
     machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). A GPU shared with another program is not seen here."""
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
     start_wall = time.perf_counter()
     start_cpu = time.thread_time()
     while time.perf_counter() - start_wall < seconds:
@@ -781,12 +785,15 @@ def predicted_bytes(settings, shared, rows):
 
 def size_rung(settings, shared, held, rows):
     """The fewest micro-batches (a divisor of `rows`) whose step fits the memory left
-    beside what is `held` (the incumbent, the batches), by model_jax's predicted peak with
-    model_torch's allocator headroom; the prediction for one micro-batch; the memory
-    available. A CPU is not sized: one micro-batch."""
+    beside what is `held` (the incumbent, the batches) and beside the weights and AdamW
+    moments of the next rung, which it will be timed against (the incumbent steps while
+    the candidate's state is alive), by model_jax's predicted peak with model_torch's
+    allocator headroom; the prediction for one micro-batch; the memory available. A CPU
+    is not sized: one micro-batch."""
     if shared.budget is None:
         return 1, None, None
-    available = shared.budget - held
+    state = model_torch.state_bytes(model_config(shared.sizes, settings))
+    available = shared.budget - held - state["params"] - state["optimizer"]
     predicted = None
     for count in range(1, rows + 1):
         if rows % count:
@@ -1325,6 +1332,12 @@ def descend(incumbent, started, entries, shared, roofs, rows, skipped, floor=Non
     return incumbent
 
 
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
 def report_waterfall(rows):
     """Every rung in one table, after the waterfall."""
     print("the waterfall (measured: ms/step, peak memory, tokens/J; derived: speed-up "
@@ -1350,7 +1363,7 @@ def report_waterfall(rows):
         micro = f"{row['micro_batches']} x {row['micro_batch_size']}"
         print(f"   {row['name']:42s} {verdict:8s} {micro:>13s} {row['ms_per_step']:9.1f} "
               f"{row['speedup']:7.2f}x {mfu:>15s} {row['mfu_measured_peak']:14.1%} "
-              f"{peak:>8s} {joules:>8s}")
+              f"{peak:>8s} {joules:>8s}{busy_mark(row['busy'])}")
     print("   (* XLA's memory plan of the jitted step, one device: JAX has no per-rung "
           "peak to read; the op-by-op rung's peak is the allocator's)")
 
@@ -1362,9 +1375,9 @@ def step_floor(trainer, shared, roofs):
     PREDICTION: on a GPU the matmuls within ~1.2x of their floor, the
     elementwise/norm/loss kernels within ~2x of theirs (XLA fuses them, but moves the fp32
     residual stream and its casts), attention further (its kernels reach a fraction of the
-    matmul roof at head size 64), idle near 0: the step within ~1.5x of its floor. A CPU
-    runs far above every floor: kernels made for no particular shape, and its roofs are
-    one op's speed at one size."""
+    matmul roof at head size 64), idle near 0: the step 1.2-1.6x its floor. A CPU runs
+    far above every floor, over 2x: kernels made for no particular shape, and its roofs
+    are one op's speed at one size."""
     shares = [cpu_share()]
     instructions = program_instructions(trainer.compiled)
     split, wall, unmatched = profile_split(lambda: run_steps(trainer, 1, shared),
@@ -1391,10 +1404,16 @@ def step_floor(trainer, shared, roofs):
     excess = {cls: c["measured_ms"] - c["floor_ms"] for cls, c in classes.items()}
     largest = max(excess, key=excess.get)
     busy = roofs["busy"] or min(shares) < BUSY_SHARE  # the roofs or the step slowed
+    low, high = FLOOR_PREDICTED[device_kind(shared)]
+    floor_total = sum(c["floor_ms"] for c in classes.values())
+    held = low <= wall * 1e3 / floor_total
+    if high is not None:
+        held = held and wall * 1e3 / floor_total <= high
     return dict(rung=trainer.name, busy=busy, cpu_shares=shares, checked=shared.gpu,
+                predicted=[low, high], prediction_held=held,
                 settings=trainer.settings, tokens=tokens,
                 micro_batches=trainer.micro_batches, step_ms=wall * 1e3,
-                floor_ms=sum(c["floor_ms"] for c in classes.values()),
+                floor_ms=floor_total,
                 matmul_flops=roofs["matmul_flops_best"],
                 copy_bytes_per_s=roofs["copy_bytes_per_s_best"], classes=classes,
                 largest_excess=largest, technique=TECHNIQUE[largest],
@@ -1402,6 +1421,12 @@ def step_floor(trainer, shared, roofs):
 
 
 def report_floor(floor):
+    low, high = floor["predicted"]
+    expected = f"over {low:g}x"
+    if high is not None:
+        expected = f"{low:g}-{high:g}x"
+    print(f"the floor table: predicted: the step {expected} its floor on this kind of "
+          "device")
     print(f"{floor['rung']} on its own roofline: one profiled step of "
           f"{floor['step_ms']:.1f} ms (measured), class by class against its floor "
           "(derived)")
@@ -1436,13 +1461,19 @@ def report_floor(floor):
     worst = floor["classes"][largest]
     above = worst["measured_ms"] - worst["floor_ms"]
     print(f"derived: the step is {total:.2f}x its floor; {largest} is furthest above its "
-          f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}")
+          f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}"
+          f"{busy_mark(floor['busy'])}")
     below = floor_below_measured(floor)
     if floor["checked"] and below:
         print("derived: every class took at least its floor, as a lower bound must")
     if floor["checked"] and not below:
         print("derived: a class ran faster than its floor: it beat the measured roof, or "
               "the count of its FLOPs or bytes is too high (not a failed run: a timing)")
+    held = "held"
+    if not floor["prediction_held"]:
+        held = "missed"
+    print(f"prediction {held}: the step {expected} its floor, measured {total:.2f}x"
+          f"{busy_mark(floor['busy'])}")
 
 
 def floor_below_measured(floor):
@@ -1494,7 +1525,7 @@ def report_scaling(rows, shared):
             row["scaling_high"] = row["ratio_high"] / world
             print(f"derived: {row['name']}: scaling {row['scaling']:.1%} "
                   f"[{row['scaling_low']:.1%}, {row['scaling_high']:.1%}] of {world} x "
-                  "one device alone")
+                  f"one device alone{busy_mark(row['busy'])}")
 
 
 def waterfall_checks(rows, floors, shared):
@@ -1686,6 +1717,9 @@ def main():
     predictions = {}
     for row in result["rungs"]:
         predictions[row["name"]] = row["prediction_held"]
+        if "floor" in row:
+            held = row["floor"]["prediction_held"]
+            predictions[f"the floor table of {row['name']}"] = held
     result.update(roofs=roofs, accumulation_rel_diff=error, cpu_shares=shares,
                   machine_busy=bool(busy), wall_s=time.perf_counter() - start,
                   predictions=predictions)

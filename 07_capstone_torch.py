@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from model_torch import GPT, GPTConfig, activation_bytes, datasheet_bf16_peak
 from model_torch import floor_seconds, flops_per_token, micro_batches
-from model_torch import predicted_peak_bytes, step_floor_terms
+from model_torch import predicted_peak_bytes, state_bytes, step_floor_terms
 
 # --- The waterfall: every setting a rung can change, then the rungs, in order.
 
@@ -288,7 +288,10 @@ def get_batch(tokens, step, batch_size, seq_len, seed=0):
 def cpu_share(seconds=0.05):
     """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
     machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). A GPU shared with another program is not seen here."""
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
     start_wall = time.perf_counter()
     start_cpu = time.thread_time()
     while time.perf_counter() - start_wall < seconds:
@@ -636,13 +639,16 @@ def run_steps(trainer, count, shared):
 
 def size_rung(settings, shared, held, rows):
     """The fewest micro-batches (a divisor of `rows`) whose step fits the memory left
-    beside what is `held` (the incumbent, the batches), by model_torch's predicted peak
-    with its allocator headroom; the prediction for one micro-batch; the memory
-    available. A CPU is not sized: one micro-batch."""
+    beside what is `held` (the incumbent, the batches) and beside the weights and AdamW
+    moments of the next rung, which it will be timed against (the incumbent steps while
+    the candidate's state is alive), by model_torch's predicted peak with its allocator
+    headroom; the prediction for one micro-batch; the memory available. A CPU is not
+    sized: one micro-batch."""
     config = model_config(shared.sizes, settings)
     if shared.budget is None:
         return 1, predicted_peak_bytes(config, rows, settings["bf16"]), None
-    available = shared.budget - held
+    state = state_bytes(config)
+    available = shared.budget - held - state["params"] - state["optimizer"]
     count = micro_batches(config, rows, available, settings["bf16"])
     predicted = None
     if count is not None:
@@ -1149,6 +1155,12 @@ def retire(trainer):
     trainer.step = None
 
 
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
 def report_waterfall(rows):
     """Every rung in one table, after the waterfall."""
     print("the waterfall (measured: ms/step, peak memory, tokens/J; derived: speed-up "
@@ -1172,7 +1184,7 @@ def report_waterfall(rows):
         micro = f"{row['micro_batches']} x {row['micro_batch_size']}"
         print(f"   {row['name']:42s} {verdict:8s} {micro:>13s} {row['ms_per_step']:9.1f} "
               f"{row['speedup']:7.2f}x {mfu:>15s} {row['mfu_measured_peak']:14.1%} "
-              f"{peak:>8s} {joules:>8s}")
+              f"{peak:>8s} {joules:>8s}{busy_mark(row['busy'])}")
 
 
 def step_floor(trainer, timed_ms, shared, roofs):
@@ -1272,8 +1284,10 @@ def report_floor(floor):
     largest = floor["largest_excess"]
     worst = floor["classes"][largest]
     above = worst["measured_ms"] - worst["floor_ms"]
+    mark = busy_mark(floor["busy"])
     print(f"derived: the step is {total:.2f}x its floor; {largest} is furthest above its "
-          f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}")
+          f"floor ({above:.1f} ms): the chapter's technique for it: {floor['technique']}"
+          f"{mark}")
     below = floor_below_measured(floor)
     if floor["checked"] and below:
         print("derived: every class took at least its floor, as a lower bound must")
@@ -1283,7 +1297,7 @@ def report_floor(floor):
     held = "held"
     if not floor["prediction_held"]:
         held = "missed"
-    print(f"prediction {held}: the step {expected} its floor, measured {total:.2f}x")
+    print(f"prediction {held}: the step {expected} its floor, measured {total:.2f}x{mark}")
 
 
 def floor_below_measured(floor):
@@ -1628,6 +1642,13 @@ def memory_budget(device, gib):
 def setup(args):
     """The device (and under torchrun the process group), the sizes, the batches, one
     init, the memory budget; the first lines printed. Returns (Shared, the run's facts)."""
+    # Two rungs step in turn on one GPU. In expandable segments, one rung's freed
+    # activations serve the other's tensors of other sizes; in fixed segments, once both
+    # peaks together pass the card, the allocator hands its cache back to the driver (a
+    # wait for the whole device) at every switch. Set before torch's first CUDA tensor;
+    # a reader's own setting (either name) stands.
+    if not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     enough = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -1728,6 +1749,8 @@ def describe_memory(device, memory, budget, gib):
     else:
         print(f"memory: as on a {gib} GiB card: torch's allocator capped at "
               f"{budget / 2**30:.1f} GiB ({gib} less what the CUDA context holds)")
+    setting = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    print(f"memory: torch's allocator: {setting}")
 
 
 def write_final_rung(out, result):

@@ -15,6 +15,7 @@ is tested once, over all lessons, in the classes at the end.
 """
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -3745,16 +3746,18 @@ class TestCapstoneTorch:
         assert lesson.memory_budget(torch.device("cpu"), 12) == 12 * 2**30
 
     def test_sizing_against_what_is_held(self, lesson):
-        # GPT-2 124M on 24 GiB beside an incumbent holding 2 GiB: model_torch's choice for
-        # 22 GiB, its predicted peak for that micro-batch
+        # GPT-2 124M on 24 GiB beside an incumbent holding 2 GiB and the next rung's
+        # weights and AdamW moments (12 bytes a parameter): model_torch's choice for what
+        # is left, its predicted peak for that micro-batch
         sizes = lesson.GPU
         shared = lesson.Shared(torch.device("cuda", 0), sizes, [], {}, "inductor",
                                24 * 2**30, None, 1.0, True, "")
         settings = dict(lesson.BASELINE, bf16=True, attn="sdpa")
         count, predicted, available = lesson.size_rung(settings, shared, 2 * 2**30, 64)
         config = lesson.model_config(sizes, settings)
-        assert available == 22 * 2**30
-        assert count == model_torch.micro_batches(config, 64, 22 * 2**30, True) == 4
+        next_rung = 12 * model_torch.param_count(config)
+        assert available == 22 * 2**30 - next_rung
+        assert count == model_torch.micro_batches(config, 64, available, True) == 4
         assert predicted == model_torch.predicted_peak_bytes(config, 16, True)
         fp32 = lesson.size_rung(lesson.BASELINE, shared, 2 * 2**30, 64)
         assert fp32[0] == 8  # fp32, the T x T scores: twice the micro-batches
@@ -4383,7 +4386,9 @@ class TestCapstoneJax:
         for gb in (8, 12, 24, 80, 141):
             shared.budget = gb * GIB
             count, predicted, available = lesson.size_rung(settings, shared, GIB, 64)
-            assert available == gb * GIB - GIB  # less what the incumbent holds
+            config = lesson.model_config(shared.sizes, settings)
+            next_rung = 12 * lesson.model_torch.param_count(config)  # weights, moments
+            assert available == gb * GIB - GIB - next_rung  # and what the incumbent holds
             config = lesson.model_config(shared.sizes, settings)
             peak = lesson.model_jax.predicted_peak_bytes(config, 64 // count, True)
             assert predicted == peak
@@ -4404,7 +4409,9 @@ class TestCapstoneJax:
         config = lesson.model_config(shared.sizes, lesson.BASELINE)
         whole = lesson.model_jax.eager_peak_bytes(config, 8)
         half = lesson.model_jax.eager_peak_bytes(config, 4)
+        next_rung = 12 * lesson.model_torch.param_count(config)  # its weights, moments
         shared.budget = int(lesson.model_torch.ALLOCATOR_HEADROOM * (whole + half) / 2)
+        shared.budget += next_rung
         count, predicted, _ = lesson.size_rung(lesson.BASELINE, shared, 0, 8)
         assert (count, predicted) == (2, half)
         shared.budget = 1000  # not one sequence
