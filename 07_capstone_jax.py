@@ -330,13 +330,21 @@ def sync(outputs):
 def interleaved(fns, reps):
     """Seconds of each call of each function, the functions called in turn (A, B, A, B,
     ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns."""
+    synchronises its own device before it returns. Python's garbage collector is off
+    meanwhile, as timeit has it and as torchtitan's trainer schedules it (gc_freq): a full
+    collection walks every object the compiled steps hold, stalls the host for
+    milliseconds, and lands in whichever side's call comes at that point."""
     seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for samples, fn in zip(seconds, fns):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
     return seconds
 
 
@@ -1379,6 +1387,9 @@ def step_floor(trainer, shared, roofs):
     far above every floor, over 2x: kernels made for no particular shape, and its roofs
     are one op's speed at one size."""
     shares = [cpu_share()]
+    # The later rungs ran since: one untimed step first, as before every timing.
+    run_steps(trainer, 1, shared)
+    trainer.warmup_steps += 1
     instructions = program_instructions(trainer.compiled)
     split, wall, unmatched = profile_split(lambda: run_steps(trainer, 1, shared),
                                            instructions, len(trainer.devices))

@@ -307,13 +307,21 @@ def sync(device):
 def interleaved(fns, reps):
     """Seconds of each call of each function, the functions called in turn (A, B, A, B,
     ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns."""
+    synchronises its own device before it returns. Python's garbage collector is off
+    meanwhile, as timeit has it and as torchtitan's trainer schedules it (gc_freq): a full
+    collection walks every object the compiled steps hold, stalls the host for
+    milliseconds, and lands in whichever side's call comes at that point."""
     seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            for samples, fn in zip(seconds, fns):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
     return seconds
 
 
@@ -1198,6 +1206,10 @@ def step_floor(trainer, timed_ms, shared, roofs):
     against each class's floor (model_torch.step_floor_terms: its FLOPs at the best
     measured matmul burst or its bytes at the best measured copy, whichever is longer)."""
     shares = [cpu_share()]
+    # The later rungs' memory came and went: an untimed step gets the allocator this
+    # rung's back, so the profiled step does not pay for it.
+    run_steps(trainer, 1, shared)
+    trainer.warmup_steps += 1
     split, wall, _ = profile_split(lambda: run_steps(trainer, 1, shared), shared.device)
     shares.append(cpu_share())
     trainer.profiled_steps += 1

@@ -3701,6 +3701,19 @@ class TestCapstoneTorch:
         monkeypatch.setattr(lesson, "accumulate", forgets_to_divide)
         assert lesson.accumulation_error(shared) > 1.0  # off by 3x
 
+    def test_no_garbage_collection_inside_timed_calls(self, lesson):
+        seen = []
+        seconds = lesson.interleaved([lambda: seen.append(gc.isenabled())] * 2, 3)
+        assert seen == [False] * 6 and [len(s) for s in seconds] == [3, 3]
+        assert gc.isenabled()
+
+        def fails():
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            lesson.interleaved([fails], 1)
+        assert gc.isenabled()
+
     def test_the_rule_with_known_ratios(self, lesson):
         faster = lesson.ratio_summary([130.0, 131.0, 129.0], [100.0, 100.0, 100.0])
         assert faster["ratio"] == 1.3 and faster["low"] == 1.29 and faster["high"] == 1.31
@@ -4476,6 +4489,19 @@ class TestCapstoneJax:
         assert len(candidate.losses) == steps_before + 3
         tokens = 4 * lesson.QUICK.block_size
         assert per_joule == pytest.approx(3 * tokens / 5)
+
+    def test_no_garbage_collection_inside_timed_calls(self, lesson):
+        seen = []
+        seconds = lesson.interleaved([lambda: seen.append(gc.isenabled())] * 2, 3)
+        assert seen == [False] * 6 and [len(s) for s in seconds] == [3, 3]
+        assert gc.isenabled()
+
+        def fails():
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            lesson.interleaved([fails], 1)
+        assert gc.isenabled()
 
     def test_the_rule_in_words(self, lesson):
         def summary(low, ratio, high):
