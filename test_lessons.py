@@ -3806,6 +3806,24 @@ class TestCapstoneTorch:
         shared.world = 2  # under torchrun every rank would need the same count: none
         assert lesson.tokens_per_joule(candidate, shared, step_ms=100.0) is None
 
+    def test_the_floor_profiles_a_step_after_an_untimed_one(self, lesson, tmp_path, monkeypatch):
+        # the later rungs' memory came and went: the profiled step is not the first after them
+        shared = capstone_torch_shared(lesson, tmp_path, monkeypatch)
+        trainer = lesson.build(lesson.BASELINE, shared, 1, "final")
+        profile_split = lesson.profile_split
+        before = []
+
+        def recording(fn, device):
+            before.append(len(trainer.losses))
+            return profile_split(fn, device)
+
+        monkeypatch.setattr(lesson, "profile_split", recording)
+        roofs = dict(matmul_flops_best=1e11, copy_bytes_per_s_best=1e10, busy=False)
+        floor = lesson.step_floor(trainer, 100.0, shared, roofs)
+        assert before == [1] and len(trainer.losses) == 2
+        assert trainer.warmup_steps == 1 and trainer.profiled_steps == 1
+        assert floor["step_ms"] > 0
+
     def test_the_fix_predicted_from_the_floor_table(self, lesson):
         # known floors: what bf16_residual saves at the floor, and at the rate each class
         # runs now, over a 100 ms step
@@ -4462,6 +4480,24 @@ class TestCapstoneJax:
             assert lesson.skip_reason(settings, shared) is not None, rung
         assert lesson.skip_reason(capstone_jax_settings(lesson, "+ TF32 (default precision)"),
                                   shared) is None
+
+    def test_the_floor_profiles_a_step_after_an_untimed_one(self, lesson, monkeypatch):
+        # the later rungs ran since: the profiled step is not the first after them
+        shared = capstone_jax_toy_shared(lesson)
+        trainer = lesson.build(dict(lesson.BASELINE, jit=True), shared, 1, "final")
+        profile_split = lesson.profile_split
+        before = []
+
+        def recording(fn, *args):
+            before.append(len(trainer.losses))
+            return profile_split(fn, *args)
+
+        monkeypatch.setattr(lesson, "profile_split", recording)
+        roofs = dict(matmul_flops_best=1e11, copy_bytes_per_s_best=1e10, busy=False)
+        steps = len(trainer.losses)
+        floor = lesson.step_floor(trainer, shared, roofs)
+        assert before == [steps + 1] and len(trainer.losses) == steps + 2
+        assert floor["step_ms"] > 0
 
     def test_tokens_per_joule_from_nvml_readings(self, lesson, monkeypatch):
         # NVML's energy read before and after whole steps lasting ENERGY_MIN_SECONDS at the
