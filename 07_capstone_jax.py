@@ -1416,14 +1416,15 @@ def step_floor(trainer, shared, roofs):
     largest = max(excess, key=excess.get)
     busy = roofs["busy"] or min(shares) < BUSY_SHARE  # the roofs or the step slowed
     low, high = FLOOR_PREDICTED[device_kind(shared)]
+    step_ms = wall * 1e3
     floor_total = sum(c["floor_ms"] for c in classes.values())
-    held = low <= wall * 1e3 / floor_total
+    held = low <= step_ms / floor_total
     if high is not None:
-        held = held and wall * 1e3 / floor_total <= high
+        held = held and step_ms / floor_total <= high
     return dict(rung=trainer.name, busy=busy, cpu_shares=shares, checked=shared.gpu,
                 predicted=[low, high], prediction_held=held,
                 settings=trainer.settings, tokens=tokens,
-                micro_batches=trainer.micro_batches, step_ms=wall * 1e3,
+                micro_batches=trainer.micro_batches, step_ms=step_ms,
                 floor_ms=floor_total,
                 matmul_flops=roofs["matmul_flops_best"],
                 copy_bytes_per_s=roofs["copy_bytes_per_s_best"], classes=classes,

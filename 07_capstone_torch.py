@@ -1761,8 +1761,10 @@ def describe_memory(device, memory, budget, gib):
     else:
         print(f"memory: as on a {gib} GiB card: torch's allocator capped at "
               f"{budget / 2**30:.1f} GiB ({gib} less what the CUDA context holds)")
-    setting = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    print(f"memory: torch's allocator: {setting}")
+    name = "PYTORCH_ALLOC_CONF"
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        name = "PYTORCH_CUDA_ALLOC_CONF"
+    print(f"memory: torch's allocator asked for {os.environ[name]} ({name})")
 
 
 def write_final_rung(out, result):

@@ -3403,6 +3403,22 @@ CAPSTONE_TORCH_FINAL = dict(tf32=False, bf16=False, attn="sdpa", compile=True, f
                             checkpoint=False, bf16_residual=False, ddp=False, bf16_grads=False)
 
 
+def capstone_collector_off_while_timing(lesson):
+    """Both capstones' interleaved(): the collector off inside every timed call, back on
+    after, also when a call raises."""
+    seen = []
+    seconds = lesson.interleaved([lambda: seen.append(gc.isenabled())] * 2, 3)
+    assert seen == [False] * 6 and [len(s) for s in seconds] == [3, 3]
+    assert gc.isenabled()
+
+    def fails():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        lesson.interleaved([fails], 1)
+    assert gc.isenabled()
+
+
 def capstone_torch_text(folder):
     """A few KB of real text: enough tokens for the toy model, read in no time."""
     path = folder / "small.txt"
@@ -3702,17 +3718,7 @@ class TestCapstoneTorch:
         assert lesson.accumulation_error(shared) > 1.0  # off by 3x
 
     def test_no_garbage_collection_inside_timed_calls(self, lesson):
-        seen = []
-        seconds = lesson.interleaved([lambda: seen.append(gc.isenabled())] * 2, 3)
-        assert seen == [False] * 6 and [len(s) for s in seconds] == [3, 3]
-        assert gc.isenabled()
-
-        def fails():
-            raise KeyboardInterrupt
-
-        with pytest.raises(KeyboardInterrupt):
-            lesson.interleaved([fails], 1)
-        assert gc.isenabled()
+        capstone_collector_off_while_timing(lesson)
 
     def test_the_rule_with_known_ratios(self, lesson):
         faster = lesson.ratio_summary([130.0, 131.0, 129.0], [100.0, 100.0, 100.0])
@@ -4527,17 +4533,7 @@ class TestCapstoneJax:
         assert per_joule == pytest.approx(3 * tokens / 5)
 
     def test_no_garbage_collection_inside_timed_calls(self, lesson):
-        seen = []
-        seconds = lesson.interleaved([lambda: seen.append(gc.isenabled())] * 2, 3)
-        assert seen == [False] * 6 and [len(s) for s in seconds] == [3, 3]
-        assert gc.isenabled()
-
-        def fails():
-            raise KeyboardInterrupt
-
-        with pytest.raises(KeyboardInterrupt):
-            lesson.interleaved([fails], 1)
-        assert gc.isenabled()
+        capstone_collector_off_while_timing(lesson)
 
     def test_the_rule_in_words(self, lesson):
         def summary(low, ratio, high):
