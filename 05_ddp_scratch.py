@@ -132,15 +132,15 @@ def cpu_share(seconds=0.05):
     return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
 
 
-def share_now(shares):
-    """cpu_share() on rank 0 once every rank has reached a barrier, while the other ranks
-    wait in a second one (asleep there, so four CPU ranks on two cores leave it its
-    core), kept in `shares`. Rank 0 speaks for its machine."""
+def share_now():
+    """cpu_share() on rank 0 alone, once every rank has reached a barrier and while the
+    others wait in a second one (asleep there, so four CPU ranks on two cores leave it its
+    core): the lesson's own ranks are not other programs. The other ranks say 1.0 (the
+    minimum over ranks is rank 0's)."""
     dist.barrier()  # no rank still at its last work
     share = 1.0
     if dist.get_rank() == 0:
         share = cpu_share()
-        shares.append(share)
     dist.barrier()
     return share
 
@@ -551,7 +551,7 @@ def naive_over_ring_expected(device, world):
     return min(world, os.cpu_count())
 
 
-def communication_sweep(device, sizes, shares):
+def communication_sweep(device, sizes):
     """predicted: small messages are overhead-bound: the time stays flat, and our ring,
     2(N-1) send/recv steps issued from Python, is slower than the library's one call (a
     GPU runs NCCL's whole all-reduce as one kernel). Large messages are bandwidth-bound:
@@ -568,17 +568,19 @@ def communication_sweep(device, sizes, shares):
     say("predicted: the smallest size overhead-bound, our ring slower than the library; "
         f"the largest bandwidth-bound, ring / library <= 1.25x, naive / ring ~ {expected}x "
         f"({why})")
-    sweep = dict(sizes_bytes=message_sizes(sizes), busy=[], calls=sizes.calls,
-                 naive_over_ring_expected=expected, ring_over_library=[],
-                 naive_over_ring=[])
+    sweep = dict(sizes_bytes=message_sizes(sizes), busy=[], cpu_shares=[],
+                 calls=sizes.calls, naive_over_ring_expected=expected,
+                 ring_over_library=[], naive_over_ring=[])
     for name in ALGORITHMS:
         sweep[name] = dict(samples_s=[], median_s=[], algbw_GBps=[], busbw_GBps=[])
-    share_before = share_now(shares)
+    share_before = share_now()
+    sweep["cpu_shares"].append(share_before)
     for size in sweep["sizes_bytes"]:
         buffer = torch.zeros(size // 4, device=device)
         fns = [back_to_back(fn, buffer, sizes.calls) for fn in ALGORITHMS.values()]
         samples = interleaved(fns, sizes.reps, device)
-        share_after = share_now(shares)
+        share_after = share_now()
+        sweep["cpu_shares"].append(share_after)
         sweep["busy"].append(min(share_before, share_after) < BUSY_SHARE)
         share_before = share_after
         for name, seconds in zip(ALGORITHMS, samples):
@@ -1072,8 +1074,9 @@ def section(args, device):
     predictions["bytes_sent"] = report_bytes_sent(result["bytes_sent"], world, checks)
 
     say("\n== 3b. time against message size: naive, ring and the library, interleaved")
-    sweep = communication_sweep(device, sizes, shares)
+    sweep = communication_sweep(device, sizes)
     result["sweep"] = sweep
+    shares += sweep["cpu_shares"]
     busy["3b. time against message size"] = any(sweep["busy"])
     predictions.update(report_sweep(sweep, world))
 
@@ -1088,16 +1091,20 @@ def section(args, device):
     if step is not None:
         result["step_plan"] = step["plan"]
         grads = [p.grad for p in step["model"].parameters()]
-        before = share_now(shares)
+        before = share_now()
         result["gradients"] = gradient_bill(grads, fits["library"], device, sizes)
-        busy["3d. gradients"] = min(before, share_now(shares)) < BUSY_SHARE
+        after = share_now()
+        shares += [before, after]
+        busy["3d. gradients"] = min(before, after) < BUSY_SHARE
         predictions["buckets_faster"] = report_gradient_bill(
             result["gradients"], busy["3d. gradients"], checks)
 
         say(f"\n== 3e. a data-parallel step: its compute and its all-reduce, on {world} ranks")
-        before = share_now(shares)
+        before = share_now()
         result["scaling"] = scaling(step, result["gradients"]["bucketed_s"], sizes, device)
-        busy["3e. scaling"] = min(before, share_now(shares)) < BUSY_SHARE
+        after = share_now()
+        shares += [before, after]
+        busy["3e. scaling"] = min(before, after) < BUSY_SHARE
         predictions["scaling"] = report_scaling(result["scaling"], step["plan"]["rows"],
                                                 sizes.step_seq, world, busy["3e. scaling"])
 
