@@ -183,6 +183,8 @@ ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: 
 ENERGY_MIN_SECONDS = 1.0  # NVML's energy counter moves in steps of tens of ms: over a
 # shorter timed region it reads zero or a fraction of the energy, so tokens/J is left out
 BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+SETTLE_S = 2.0  # seconds of untimed work on a GPU before each timing (see settle): from
+# idle its power climbs for ~1 s of work, its clock dips where it first meets the cap
 MEMORY_FRACTION = 0.9  # of the GPU for JAX's allocator (its default: 0.75); the rest for
 # the CUDA context, cuBLAS's and cuDNN's handles and the compiled kernels
 AUTOTUNE_LEVEL = 1  # XLA times each candidate kernel of a jitted step (level 1); its
@@ -948,16 +950,39 @@ def evidence(trainer, shared):
 # headline.
 
 
+def settle(incumbent, candidate, shared, window):
+    """Untimed steps before a timing: one of the incumbent, then on a GPU calls of `window`
+    steps of each in turn (incumbent, candidate) until the device has worked ~SETTLE_S.
+    A GPU left idle (a compile) draws little power; under work its draw climbs for ~1 s,
+    and the call in which it first reaches the card's power cap runs at a lower clock. An
+    H100 at its 700 W cap: 240 -> 700 W over the first 0.7-1 s of work, the SM clock
+    1,800 -> ~1,400 MHz there, that call ~10% slow; steadier after. A CPU compiles on its
+    own cores and is already at its working clock: the one step."""
+    shared.host_batch(len(incumbent.losses))  # drawn before the clock starts
+    start = time.perf_counter()
+    run_steps(incumbent, 1, shared)  # ends with the device synchronised
+    first_s = time.perf_counter() - start
+    incumbent.warmup_steps += 1
+    if not shared.gpu:
+        return
+    pairs = math.ceil(max(SETTLE_S - first_s, 0) / (2 * window * first_s))
+    shared.host_batch(len(incumbent.losses) + pairs * window)
+    shared.host_batch(len(candidate.losses) + pairs * window)
+    for _ in range(pairs):
+        run_steps(incumbent, window, shared)
+        run_steps(candidate, window, shared)
+    incumbent.warmup_steps += pairs * window
+    candidate.warmup_steps += pairs * window
+
+
 def compare(incumbent, candidate, shared, pairs):
     """The incumbent and the candidate timed interleaved, `pairs` times: one step each, or
-    WINDOW steps each where either skips the per-step host sync. A jitted incumbent first
-    takes one untimed step (the candidate's compile left the device idle; an op-by-op
-    step takes seconds, the device busy at once)."""
+    WINDOW steps each where either skips the per-step host sync. First untimed steps (see
+    settle) where the incumbent is jitted: the candidate's compile left the device idle
+    (an op-by-op step takes seconds, the device busy at once)."""
     window = 1
     if not incumbent.settings["host_sync"] or not candidate.settings["host_sync"]:
         window = WINDOW
-    shared.host_batch(len(incumbent.losses) + (pairs + 1) * window)  # drawn before the
-    shared.host_batch(len(candidate.losses) + pairs * window)  # clock starts
 
     def incumbent_call():
         run_steps(incumbent, window, shared)
@@ -967,8 +992,9 @@ def compare(incumbent, candidate, shared, pairs):
 
     shares = [cpu_share()]
     if incumbent.settings["jit"]:
-        run_steps(incumbent, 1, shared)
-        incumbent.warmup_steps += 1
+        settle(incumbent, candidate, shared, window)
+    shared.host_batch(len(incumbent.losses) + pairs * window)  # drawn before the
+    shared.host_batch(len(candidate.losses) + pairs * window)  # clock starts
     seconds = interleaved([incumbent_call, candidate_call], pairs)
     shares.append(cpu_share())
     incumbent.timed_steps += pairs * window
@@ -1387,9 +1413,8 @@ def step_floor(trainer, shared, roofs):
     far above every floor, over 2x: kernels made for no particular shape, and its roofs
     are one op's speed at one size."""
     shares = [cpu_share()]
-    # The later rungs ran since: one untimed step first, as before every timing.
-    run_steps(trainer, 1, shared)
-    trainer.warmup_steps += 1
+    # The later rungs ran since: untimed steps first, as before every timing.
+    settle(trainer, trainer, shared, 1)
     instructions = program_instructions(trainer.compiled)
     split, wall, unmatched = profile_split(lambda: run_steps(trainer, 1, shared),
                                            instructions, len(trainer.devices))

@@ -163,6 +163,8 @@ ACCUM_TOLERANCE = 1e-4  # accumulated vs full-batch gradient in fp32 (rounding: 
 ENERGY_MIN_SECONDS = 1.0  # NVML's energy counter moves in steps of tens of ms: over a
 # shorter timed region it reads zero or a fraction of the energy, so tokens/J is left out
 BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+SETTLE_S = 2.0  # seconds of untimed work on a GPU before each timing (see settle): from
+# idle its power climbs for ~1 s of work, its clock dips where it first meets the cap
 BATCHES = 64  # distinct batches; a longer run goes round them again
 
 
@@ -760,11 +762,38 @@ def evidence(trainer, ops, shared):
 # headline.
 
 
+def settle(incumbent, candidate, shared, window):
+    """Untimed steps before a timing: one of the incumbent, then on a GPU calls of `window`
+    steps of each in turn (incumbent, candidate) until the device has worked ~SETTLE_S.
+    A GPU left idle (a compile) draws little power; under work its draw climbs for ~1 s,
+    and the call in which it first reaches the card's power cap runs at a lower clock. An
+    H100 at its 700 W cap: 240 -> 700 W over the first 0.7-1 s of work, the SM clock
+    1,800 -> ~1,400 MHz there, that call ~10% slow; steadier after. A CPU compiles on its
+    own cores and is already at its working clock: the one step. Under torchrun every rank
+    takes the most pairs any rank needs (a DDP step all-reduces)."""
+    start = time.perf_counter()
+    run_steps(incumbent, 1, shared)  # ends with the device synchronised
+    first_s = time.perf_counter() - start
+    incumbent.warmup_steps += 1
+    if shared.device.type != "cuda":
+        return
+    pairs = math.ceil(max(SETTLE_S - first_s, 0) / (2 * window * first_s))
+    if shared.world > 1:
+        agreed = torch.tensor(pairs, device=shared.device)  # NCCL reduces device tensors
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        pairs = int(agreed.item())
+    for _ in range(pairs):
+        run_steps(incumbent, window, shared)
+        run_steps(candidate, window, shared)
+    incumbent.warmup_steps += pairs * window
+    candidate.warmup_steps += pairs * window
+
+
 def compare(incumbent, candidate, shared, pairs):
     """The incumbent and the candidate timed interleaved, `pairs` times: one step each, or
-    WINDOW steps each where either skips the per-step host sync. The incumbent first takes
-    one untimed step (the candidate's compile left the device idle). Under torchrun every
-    rank keeps the slowest rank's time of each call, so all ranks decide alike."""
+    WINDOW steps each where either skips the per-step host sync. First untimed steps (see
+    settle): the candidate's compile left the device idle. Under torchrun every rank keeps
+    the slowest rank's time of each call, so all ranks decide alike."""
     window = 1
     if not incumbent.settings["host_sync"] or not candidate.settings["host_sync"]:
         window = WINDOW
@@ -776,8 +805,7 @@ def compare(incumbent, candidate, shared, pairs):
         run_steps(candidate, window, shared)
 
     shares = [cpu_share()]
-    run_steps(incumbent, 1, shared)
-    incumbent.warmup_steps += 1
+    settle(incumbent, candidate, shared, window)
     seconds = interleaved([incumbent_call, candidate_call], pairs)
     shares.append(cpu_share())
     incumbent.timed_steps += pairs * window
@@ -1207,9 +1235,8 @@ def step_floor(trainer, timed_ms, shared, roofs):
     measured matmul burst or its bytes at the best measured copy, whichever is longer)."""
     shares = [cpu_share()]
     # The later rungs' memory came and went: an untimed step gets the allocator this
-    # rung's back, so the profiled step does not pay for it.
-    run_steps(trainer, 1, shared)
-    trainer.warmup_steps += 1
+    # rung's back, so the profiled step does not pay for it; on a GPU more, to settle.
+    settle(trainer, trainer, shared, 1)
     split, wall, _ = profile_split(lambda: run_steps(trainer, 1, shared), shared.device)
     shares.append(cpu_share())
     trainer.profiled_steps += 1

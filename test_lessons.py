@@ -3419,6 +3419,67 @@ def capstone_collector_off_while_timing(lesson):
     assert gc.isenabled()
 
 
+def capstone_settled_compare(lesson, monkeypatch, gpu, jit=True):
+    """Both capstones' compare() on stand-in trainers and a stand-in device ("cuda" and
+    shared.gpu for a GPU), a clock that moves only in a step, 0.3 s a step: the calls in
+    order (each trainer's steps, "timed" where the timed pairs start, each batch drawn)."""
+    clock = [0.0]
+    calls = []
+    real_interleaved = lesson.interleaved
+
+    def run_steps(trainer, count, shared):
+        calls.append((trainer.name, count))
+        trainer.losses.extend([0.0] * count)
+        clock[0] += 0.3 * count
+
+    def interleaved(fns, reps):
+        calls.append("timed")
+        return real_interleaved(fns, reps)
+
+    monkeypatch.setattr(lesson.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(lesson, "cpu_share", lambda: 1.0)
+    monkeypatch.setattr(lesson, "run_steps", run_steps)
+    monkeypatch.setattr(lesson, "interleaved", interleaved)
+    device = torch.device("cpu")
+    if gpu:
+        device = torch.device("cuda", 0)
+    shared = SimpleNamespace(device=device, world=1, gpu=gpu,
+                             host_batch=lambda step: calls.append(("drawn", step)))
+    settings = dict(lesson.BASELINE, jit=jit)
+    incumbent, candidate = [SimpleNamespace(name=name, settings=settings, losses=[],
+                                            warmup_steps=0, timed_steps=0)
+                            for name in ("incumbent", "candidate")]
+    timing = lesson.compare(incumbent, candidate, shared, pairs=2)
+    return calls, incumbent, candidate, timing, shared
+
+
+def capstone_settles_a_gpu(lesson, monkeypatch):
+    """A GPU left idle by a compile: untimed steps of both in turn until SETTLE_S of work,
+    none inside the timed pairs. A first step of 0.3 s: ceil((2.0 - 0.3) / (2 x 0.3)) = 3
+    more pairs, 2.1 s in all. The floor's single trainer: the same, pairs of itself. A CPU:
+    one untimed step of the incumbent, as before."""
+    assert lesson.SETTLE_S == 2.0
+    calls, incumbent, candidate, timing, shared = capstone_settled_compare(lesson, monkeypatch,
+                                                                           gpu=True)
+    pair = [("incumbent", 1), ("candidate", 1)]
+    steps = [call for call in calls if call[0] != "drawn"]
+    assert steps == [("incumbent", 1)] + pair * 3 + ["timed"] + pair * 2
+    assert incumbent.warmup_steps == 1 + 3 and candidate.warmup_steps == 3
+    assert incumbent.timed_steps == candidate.timed_steps == 2
+    assert timing["incumbent_ms"] == timing["candidate_ms"] == pytest.approx([300.0, 300.0])
+    assert "drawn" not in [call[0] for call in calls[calls.index("timed"):]]  # JAX's batches
+    final = SimpleNamespace(name="final", settings=incumbent.settings, losses=[],
+                            warmup_steps=0)
+    calls.clear()
+    lesson.settle(final, final, shared, 1)
+    assert [call for call in calls if call[0] != "drawn"] == [("final", 1)] * 7
+    assert final.warmup_steps == 7
+    calls, incumbent, candidate, _, _ = capstone_settled_compare(lesson, monkeypatch, gpu=False)
+    steps = [call for call in calls if call[0] != "drawn"]
+    assert steps == [("incumbent", 1), "timed"] + pair * 2
+    assert incumbent.warmup_steps == 1 and candidate.warmup_steps == 0
+
+
 def capstone_torch_text(folder):
     """A few KB of real text: enough tokens for the toy model, read in no time."""
     path = folder / "small.txt"
@@ -3719,6 +3780,9 @@ class TestCapstoneTorch:
 
     def test_no_garbage_collection_inside_timed_calls(self, lesson):
         capstone_collector_off_while_timing(lesson)
+
+    def test_a_gpu_settles_before_the_timed_pairs(self, lesson, monkeypatch):
+        capstone_settles_a_gpu(lesson, monkeypatch)
 
     def test_the_rule_with_known_ratios(self, lesson):
         faster = lesson.ratio_summary([130.0, 131.0, 129.0], [100.0, 100.0, 100.0])
@@ -4534,6 +4598,20 @@ class TestCapstoneJax:
 
     def test_no_garbage_collection_inside_timed_calls(self, lesson):
         capstone_collector_off_while_timing(lesson)
+
+    def test_a_gpu_settles_before_the_timed_pairs(self, lesson, monkeypatch):
+        capstone_settles_a_gpu(lesson, monkeypatch)
+        # every batch the steps take, settle's and the timed pairs', drawn before the clock
+        calls, incumbent, candidate, _, _ = capstone_settled_compare(lesson, monkeypatch,
+                                                                     gpu=True)
+        drawn = [call[1] for call in calls if call[0] == "drawn"]
+        assert len(incumbent.losses) == 1 + 3 + 2 and len(candidate.losses) == 3 + 2
+        assert max(drawn) >= len(incumbent.losses) - 1
+        # an op-by-op incumbent on a CPU: no untimed step (its step takes seconds)
+        calls, incumbent, _, _, _ = capstone_settled_compare(lesson, monkeypatch, gpu=False,
+                                                             jit=False)
+        assert [call for call in calls if call[0] != "drawn"][0] == "timed"
+        assert incumbent.warmup_steps == 0
 
     def test_the_rule_in_words(self, lesson):
         def summary(low, ratio, high):
