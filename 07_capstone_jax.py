@@ -953,11 +953,11 @@ def evidence(trainer, shared):
 def settle(incumbent, candidate, shared, window):
     """Untimed steps before a timing: one of the incumbent, then on a GPU calls of `window`
     steps of each in turn (incumbent, candidate) until the device has worked ~SETTLE_S.
-    A GPU left idle (a compile) draws little power; under work its draw climbs for ~1 s,
-    and the call in which it first reaches the card's power cap runs at a lower clock. An
-    H100 at its 700 W cap: 240 -> 700 W over the first 0.7-1 s of work, the SM clock
-    1,800 -> ~1,400 MHz there, that call ~10% slow; steadier after. A CPU compiles on its
-    own cores and is already at its working clock: the one step."""
+    A GPU left idle (a compile) draws little power; under work its draw climbs for about
+    a second, and a card that reaches its power cap (an H100 SXM's 700 W, by its
+    datasheet) lowers its clock for a moment when it first meets it: a call timed there is
+    slow on whichever side it falls. A CPU compiles on its own cores and is already at its
+    working clock: the one step."""
     shared.host_batch(len(incumbent.losses))  # drawn before the clock starts
     start = time.perf_counter()
     run_steps(incumbent, 1, shared)  # ends with the device synchronised
