@@ -114,187 +114,6 @@ def sizes_for(device, quick, machine):
     return sizes
 
 
-# How numbers are printed: with an SI prefix, a timing with its range, and a mark on every
-# number measured while other programs took the CPU.
-
-PREFIXES = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""), (1e-3, "m"),
-            (1e-6, "u"), (1e-9, "n")]
-
-
-def prefix_for(x):
-    for power, prefix in PREFIXES:
-        if abs(x) >= power:
-            return power, prefix
-    return PREFIXES[-1]
-
-
-def num(x):
-    """Three significant digits and never an exponent: 0.949, 1.20, 12.3, 64, 2530."""
-    if abs(x) >= 100 or x == round(x):
-        return f"{x:.0f}"
-    return f"{x:#.3g}"
-
-
-def si(x, unit=""):
-    """812.3e12 -> '812 T' + unit; 7.81e-6 -> '7.81 u' + unit."""
-    power, prefix = prefix_for(x)
-    return f"{num(x / power)} {prefix}{unit}".rstrip()
-
-
-def si_spread(median, low, high, unit=""):
-    """A median and its range, in the median's prefix: '13.3 ms [12.9-14.1]'."""
-    power, prefix = prefix_for(median)
-    low_high = f"[{num(low / power)}-{num(high / power)}]"
-    return f"{num(median / power)} {prefix}{unit} {low_high}"
-
-
-def ratio_text(ratio):
-    """A ratio of timings taken in turn: '1.82x [1.24-4.44]', its median and its range.
-    """
-    return f"{num(ratio['median'])}x [{num(ratio['min'])}-{num(ratio['max'])}]"
-
-
-def mark(busy, ratio=None):
-    """What follows a printed number: '(machine busy)' if it was measured while other
-    programs took the CPU; for a ratio, '(within noise)' if its range spans 1."""
-    if busy:
-        return "  (machine busy)"
-    if ratio is not None and not beyond_noise(ratio):
-        return "  (within noise)"
-    return ""
-
-
-def say_held(held, what, busy):
-    """The line that closes each experiment: did its prediction hold, on what number."""
-    verdict = "missed"
-    if held:
-        verdict = "held"
-    print(f"  prediction {verdict}: {what}" + mark(busy))
-
-
-# Honest timing: warm up, wait for the device before reading a clock, repeat, take the
-# median with its range, time in turn what is compared. Every timing goes through here.
-
-BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
-MAX_INNER = 1000  # at most this many calls in one timed sample
-
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def interleaved(fns, reps):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns."""
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return seconds
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_once(call, device):
-    """Seconds for one call. GPU work is asynchronous: a call returns once its kernels
-    are queued, so the clock is read only after the device has finished."""
-    sync(device)
-    start = time.perf_counter()
-    call()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def calls_per_sample(one_call_s, target_s):
-    """A microsecond op timed alone would time the clock and the synchronize: a sample
-    repeats it back to back until it lasts about target_s (1 to MAX_INNER calls)."""
-    inner = round(target_s / one_call_s)
-    return max(1, min(MAX_INNER, inner))
-
-
-def repeated(call, inner, device):
-    """One sample: `inner` calls back to back, then wait for the device."""
-    def sample():
-        for _ in range(inner):
-            call()
-        sync(device)
-    return sample
-
-
-def per_call(calls, device, sizes):
-    """Seconds per call of each of `calls`: sizes.reps samples each, taken interleaved,
-    and the first call of each kept apart (it pays one-off costs: part 4 shows them)."""
-    firsts = []
-    inners = []
-    samples = []
-    for call in calls:
-        firsts.append(time_once(call, device))
-        inner = calls_per_sample(time_once(call, device), sizes.target_s)
-        inners.append(inner)
-        samples.append(repeated(call, inner, device))
-    start = time.perf_counter()
-    while time.perf_counter() - start < sizes.warmup_s:  # a GPU's clocks rise under load
-        for sample in samples:
-            sample()
-    seconds = interleaved(samples, sizes.reps)
-    timings = []
-    for first_s, inner, sample_seconds in zip(firsts, inners, seconds):
-        each = [s / inner for s in sample_seconds]
-        timings.append(dict(median_s=statistics.median(each), min_s=min(each),
-                            max_s=max(each), first_s=first_s, inner=inner,
-                            samples_s=each))
-    return timings
-
-
-def ratio(a_seconds, b_seconds):
-    """a's time over b's, from samples taken in turn: the median of the per-pair ratios
-    a_i / b_i, with their min and max."""
-    ratios = []
-    for a_s, b_s in zip(a_seconds, b_seconds):
-        ratios.append(a_s / b_s)
-    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
-
-
-def beyond_noise(ratio, threshold=1.0):
-    """A ratio is a finding only when its whole range lies on one side of the threshold.
-    """
-    return ratio["min"] > threshold or ratio["max"] < threshold
-
-
-def rotating(fn, shapes, dtype, device, cache_bytes):
-    """fn on random inputs of these shapes, another copy each call: enough copies to
-    exceed the last-level cache 3x, so no call finds its inputs in a cache."""
-    nbytes = sum(math.prod(shape) for shape in shapes) * dtype.itemsize
-    copies = math.ceil(3 * cache_bytes / nbytes)
-    copies = max(2, min(64, copies))  # 2 to 64 copies
-    inputs = []
-    for _ in range(copies):
-        tensors = [torch.empty(shape, device=device, dtype=dtype) for shape in shapes]
-        inputs.append([tensor.uniform_(-1, 1) for tensor in tensors])
-    cycle = itertools.cycle(inputs)
-
-    def call():
-        return fn(*next(cycle))
-
-    return call
-
-
 # 1. The two ceilings
 
 RIDGE_RANGE = {"cuda": (50, 500), "cpu": (1, 50)}  # FLOP/byte, as the prediction says
@@ -1005,6 +824,190 @@ def figure(path, ops, roofs, machine_name):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return str(path)
+
+
+# The tools every experiment above uses: how numbers are printed, and honest timing on
+# a machine that may be busy (interleaved samples, medians with their spread).
+
+# How numbers are printed: with an SI prefix, a timing with its range, and a mark on every
+# number measured while other programs took the CPU.
+
+PREFIXES = [(1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""), (1e-3, "m"),
+            (1e-6, "u"), (1e-9, "n")]
+
+
+def prefix_for(x):
+    for power, prefix in PREFIXES:
+        if abs(x) >= power:
+            return power, prefix
+    return PREFIXES[-1]
+
+
+def num(x):
+    """Three significant digits and never an exponent: 0.949, 1.20, 12.3, 64, 2530."""
+    if abs(x) >= 100 or x == round(x):
+        return f"{x:.0f}"
+    return f"{x:#.3g}"
+
+
+def si(x, unit=""):
+    """812.3e12 -> '812 T' + unit; 7.81e-6 -> '7.81 u' + unit."""
+    power, prefix = prefix_for(x)
+    return f"{num(x / power)} {prefix}{unit}".rstrip()
+
+
+def si_spread(median, low, high, unit=""):
+    """A median and its range, in the median's prefix: '13.3 ms [12.9-14.1]'."""
+    power, prefix = prefix_for(median)
+    low_high = f"[{num(low / power)}-{num(high / power)}]"
+    return f"{num(median / power)} {prefix}{unit} {low_high}"
+
+
+def ratio_text(ratio):
+    """A ratio of timings taken in turn: '1.82x [1.24-4.44]', its median and its range.
+    """
+    return f"{num(ratio['median'])}x [{num(ratio['min'])}-{num(ratio['max'])}]"
+
+
+def mark(busy, ratio=None):
+    """What follows a printed number: '(machine busy)' if it was measured while other
+    programs took the CPU; for a ratio, '(within noise)' if its range spans 1."""
+    if busy:
+        return "  (machine busy)"
+    if ratio is not None and not beyond_noise(ratio):
+        return "  (within noise)"
+    return ""
+
+
+def say_held(held, what, busy):
+    """The line that closes each experiment: did its prediction hold, on what number."""
+    verdict = "missed"
+    if held:
+        verdict = "held"
+    print(f"  prediction {verdict}: {what}" + mark(busy))
+
+
+# Honest timing: warm up, wait for the device before reading a clock, repeat, take the
+# median with its range, time in turn what is compared. Every timing goes through here.
+
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+MAX_INNER = 1000  # at most this many calls in one timed sample
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def interleaved(fns, reps):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns."""
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once(call, device):
+    """Seconds for one call. GPU work is asynchronous: a call returns once its kernels
+    are queued, so the clock is read only after the device has finished."""
+    sync(device)
+    start = time.perf_counter()
+    call()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def calls_per_sample(one_call_s, target_s):
+    """A microsecond op timed alone would time the clock and the synchronize: a sample
+    repeats it back to back until it lasts about target_s (1 to MAX_INNER calls)."""
+    inner = round(target_s / one_call_s)
+    return max(1, min(MAX_INNER, inner))
+
+
+def repeated(call, inner, device):
+    """One sample: `inner` calls back to back, then wait for the device."""
+    def sample():
+        for _ in range(inner):
+            call()
+        sync(device)
+    return sample
+
+
+def per_call(calls, device, sizes):
+    """Seconds per call of each of `calls`: sizes.reps samples each, taken interleaved,
+    and the first call of each kept apart (it pays one-off costs: part 4 shows them)."""
+    firsts = []
+    inners = []
+    samples = []
+    for call in calls:
+        firsts.append(time_once(call, device))
+        inner = calls_per_sample(time_once(call, device), sizes.target_s)
+        inners.append(inner)
+        samples.append(repeated(call, inner, device))
+    start = time.perf_counter()
+    while time.perf_counter() - start < sizes.warmup_s:  # a GPU's clocks rise under load
+        for sample in samples:
+            sample()
+    seconds = interleaved(samples, sizes.reps)
+    timings = []
+    for first_s, inner, sample_seconds in zip(firsts, inners, seconds):
+        each = [s / inner for s in sample_seconds]
+        timings.append(dict(median_s=statistics.median(each), min_s=min(each),
+                            max_s=max(each), first_s=first_s, inner=inner,
+                            samples_s=each))
+    return timings
+
+
+def ratio(a_seconds, b_seconds):
+    """a's time over b's, from samples taken in turn: the median of the per-pair ratios
+    a_i / b_i, with their min and max."""
+    ratios = []
+    for a_s, b_s in zip(a_seconds, b_seconds):
+        ratios.append(a_s / b_s)
+    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+
+
+def beyond_noise(ratio, threshold=1.0):
+    """A ratio is a finding only when its whole range lies on one side of the threshold.
+    """
+    return ratio["min"] > threshold or ratio["max"] < threshold
+
+
+def rotating(fn, shapes, dtype, device, cache_bytes):
+    """fn on random inputs of these shapes, another copy each call: enough copies to
+    exceed the last-level cache 3x, so no call finds its inputs in a cache."""
+    nbytes = sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+    copies = math.ceil(3 * cache_bytes / nbytes)
+    copies = max(2, min(64, copies))  # 2 to 64 copies
+    inputs = []
+    for _ in range(copies):
+        tensors = [torch.empty(shape, device=device, dtype=dtype) for shape in shapes]
+        inputs.append([tensor.uniform_(-1, 1) for tensor in tensors])
+    cycle = itertools.cycle(inputs)
+
+    def call():
+        return fn(*next(cycle))
+
+    return call
 
 
 # The machine, the flags, the run

@@ -148,117 +148,6 @@ QUICK = Sizes(reps=3, largest_set=16 << 20, bytes_a_sample=32 << 20, ladder_n=25
               max_tokens_log2=6, weight_copies=2, decode_preset="tiny", context=32)
 
 # ---------------------------------------------------------------------------------------
-# Timing on a machine that may be busy: interleaved samples, medians with their spread.
-
-BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
-
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def interleaved(fns, reps, gap_s=0.0):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns. One untimed round first (warm-up);
-    gap_s: idle before each timed call (a GPU matmul then runs as a burst, not on a
-    chip still hot from the one before)."""
-    for fn in fns:
-        fn()
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            time.sleep(gap_s)
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return seconds
-
-
-def spread(samples):
-    """The median of some samples, with the lowest and the highest."""
-    return dict(median=statistics.median(samples), low=min(samples), high=max(samples))
-
-
-def ratio(numerators, denominators):
-    """A ratio of two interleaved measurements: the median of the per-pair ratios
-    a_i / b_i, with their lowest and highest."""
-    return spread([a / b for a, b in zip(numerators, denominators)])
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def mark_busy(experiment):
-    """An experiment's closing CPU-share sample (its opening one was taken before it
-    measured; the lesson's own threads are idle at both): busy when either is below
-    BUSY_SHARE."""
-    experiment["cpu_shares"].append(cpu_share())
-    experiment["busy"] = min(experiment["cpu_shares"]) < BUSY_SHARE
-
-
-def number(x):
-    """Three significant figures without an exponent: 17068, 4.23, 0.00133."""
-    if abs(x) >= 1000:
-        return f"{x:.0f}"
-    return f"{x:.3g}"
-
-
-def with_spread(s):
-    """'median [low, high]' of a spread."""
-    return f"{number(s['median'])} [{number(s['low'])}, {number(s['high'])}]"
-
-
-def busy_mark(busy):
-    if busy:
-        return " (machine busy)"
-    return ""
-
-
-def noise_mark(r, busy):
-    """What a printed ratio carries: it is a finding only when its whole range lies on
-    one side of 1 and the machine was not busy."""
-    if busy:
-        return " (machine busy)"
-    if r["low"] <= 1 <= r["high"]:
-        return " (within noise)"
-    return ""
-
-
-def verdict(experiment, measured):
-    """The line that closes an experiment: whether its prediction held, by what."""
-    held = "missed"
-    if experiment["prediction_held"]:
-        held = "held"
-    return f"  prediction {held}: {measured}{busy_mark(experiment['busy'])}"
-
-
-def check_line(name, ok):
-    if ok:
-        return f"  check {name}: ok"
-    return f"  check {name}: FAILED"
-
-
-def size_label(nbytes):
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} B"
-
-
-# ---------------------------------------------------------------------------------------
 # What this device has: tensor cores, by compute capability.
 
 def has_bf16_tensor_cores(device):
@@ -1329,6 +1218,118 @@ def figure(hierarchy, device_name, out):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------------------------
+# The tools every experiment above uses: timing on a machine that may be busy
+# (interleaved samples, medians with their spread), and printing.
+
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def interleaved(fns, reps, gap_s=0.0):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns. One untimed round first (warm-up);
+    gap_s: idle before each timed call (a GPU matmul then runs as a burst, not on a
+    chip still hot from the one before)."""
+    for fn in fns:
+        fn()
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            time.sleep(gap_s)
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def spread(samples):
+    """The median of some samples, with the lowest and the highest."""
+    return dict(median=statistics.median(samples), low=min(samples), high=max(samples))
+
+
+def ratio(numerators, denominators):
+    """A ratio of two interleaved measurements: the median of the per-pair ratios
+    a_i / b_i, with their lowest and highest."""
+    return spread([a / b for a, b in zip(numerators, denominators)])
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def mark_busy(experiment):
+    """An experiment's closing CPU-share sample (its opening one was taken before it
+    measured; the lesson's own threads are idle at both): busy when either is below
+    BUSY_SHARE."""
+    experiment["cpu_shares"].append(cpu_share())
+    experiment["busy"] = min(experiment["cpu_shares"]) < BUSY_SHARE
+
+
+def number(x):
+    """Three significant figures without an exponent: 17068, 4.23, 0.00133."""
+    if abs(x) >= 1000:
+        return f"{x:.0f}"
+    return f"{x:.3g}"
+
+
+def with_spread(s):
+    """'median [low, high]' of a spread."""
+    return f"{number(s['median'])} [{number(s['low'])}, {number(s['high'])}]"
+
+
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
+def noise_mark(r, busy):
+    """What a printed ratio carries: it is a finding only when its whole range lies on
+    one side of 1 and the machine was not busy."""
+    if busy:
+        return " (machine busy)"
+    if r["low"] <= 1 <= r["high"]:
+        return " (within noise)"
+    return ""
+
+
+def verdict(experiment, measured):
+    """The line that closes an experiment: whether its prediction held, by what."""
+    held = "missed"
+    if experiment["prediction_held"]:
+        held = "held"
+    return f"  prediction {held}: {measured}{busy_mark(experiment['busy'])}"
+
+
+def check_line(name, ok):
+    if ok:
+        return f"  check {name}: ok"
+    return f"  check {name}: FAILED"
+
+
+def size_label(nbytes):
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes} B"
 
 
 # ---------------------------------------------------------------------------------------

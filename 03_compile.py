@@ -134,204 +134,6 @@ def unfused_jax(x, a, b, c, residual):
     return jax.nn.gelu(x * a + b, approximate=False) * c + residual
 
 
-# Measuring on a machine that may be busy
-
-BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
-
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def interleaved(fns, reps):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns."""
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return seconds
-
-
-def is_busy(shares):
-    """An experiment was busy when any share of a core sampled around it is below BUSY_SHARE."""
-    return min(shares) < BUSY_SHARE
-
-
-def summary(samples):
-    """Median, min and max of a list of samples (seconds, bytes/s, ...)."""
-    return dict(median=statistics.median(samples), min=min(samples), max=max(samples))
-
-
-def ratio(numerators, denominators):
-    """The median of the per-pair ratios a_i / b_i, with their min and max."""
-    pairs = []
-    for a, b in zip(numerators, denominators):
-        pairs.append(a / b)
-    return dict(median=statistics.median(pairs), min=min(pairs), max=max(pairs))
-
-
-def beyond_noise(r):
-    """A ratio says something only when all its pairs lie on one side of 1."""
-    return r["min"] > 1 or r["max"] < 1
-
-
-def mark(finding, busy):
-    """What follows a printed result: nothing when it is a finding."""
-    if busy:
-        return " (machine busy)"
-    if not finding:
-        return " (within noise)"
-    return ""
-
-
-def busy_mark(busy):
-    """What follows a printed timing of a busy experiment."""
-    if busy:
-        return " (machine busy)"
-    return ""
-
-
-def timed(fn, calls):
-    """fn called `calls` times, then waited for: a JAX call returns before its work is
-    done, and so does a CUDA launch. On one stream, the last call done means all are."""
-    def call():
-        for _ in range(calls - 1):
-            fn()
-        out = fn()
-        if isinstance(out, jax.Array):
-            out.block_until_ready()
-        elif out.is_cuda:
-            torch.cuda.synchronize()
-    return call
-
-
-def first_call_s(fn):
-    """Seconds of a compiled function's first call: it captures, compiles, then runs."""
-    start = time.perf_counter()
-    timed(fn, 1)()
-    return time.perf_counter() - start
-
-
-def to_numpy(t):  # a torch tensor on any device, or a JAX array, as float32 numpy
-    if isinstance(t, torch.Tensor):
-        t = t.float().cpu()
-    return np.asarray(t, dtype=np.float32)
-
-
-def max_error(got, want):
-    """max |got - want| / (1 + max |want|): relative for large values, absolute near 0."""
-    got = to_numpy(got)
-    want = to_numpy(want)
-    worst = np.max(np.abs(got - want))
-    return float(worst / (1 + np.max(np.abs(want))))
-
-
-def measure(section, variants, reps, calls=1):
-    """What experiments 1-3 share: each compiled variant's first call (it compiles: kept
-    out of the timings) and its error against its op-by-op version; then every variant
-    timed, interleaved, after a warm-up; each compiled one's speed-up, pair by pair."""
-    first_calls = {}
-    errors = {}
-    for name, baseline in COMPILED.items():
-        if name in variants:
-            first_calls[name] = first_call_s(variants[name])
-            errors[f"{section}_{name}_equals_{baseline}"] = max_error(variants[name](),
-                                                                    variants[baseline]())
-    # and the two frameworks agree: JAX's compiled result against PyTorch's eager one
-    errors[f"{section}_jax_equals_torch_eager"] = max_error(variants["jax_jit"](),
-                                                            variants["eager"]())
-    fns = []
-    for fn in variants.values():
-        fns.append(timed(fn, calls))
-    for fn in fns:  # warm-up: compiled code loaded, caches and the allocator filled
-        fn()
-    samples = {}
-    for name, seconds in zip(variants, interleaved(fns, reps)):
-        per_call = []
-        for sample in seconds:
-            per_call.append(sample / calls)
-        samples[name] = per_call
-    times = {}
-    for name, per_call in samples.items():
-        times[name] = summary(per_call)
-    speedup = {}
-    for name, baseline in COMPILED.items():
-        if name in variants:
-            speedup[name] = ratio(samples[baseline], samples[name])
-    return dict(first_call_s=first_calls, error=errors, samples_s=samples, time=times,
-                speedup=speedup)
-
-
-def equal_checks(errors, tol):
-    checks = {}
-    for name, error in errors.items():
-        checks[name] = error <= tol
-    return checks
-
-
-def spread_text(spread, scale, unit):  # "186.6 us [184.8, 288.5]": median [min, max]
-    median = spread["median"] * scale
-    low = spread["min"] * scale
-    high = spread["max"] * scale
-    return f"{median:.2f} {unit} [{low:.2f}, {high:.2f}]"
-
-
-def ratio_text(r):  # "2.97x [2.10, 3.50]": median [min, max] of the per-pair ratios
-    return f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
-
-
-def report_times(r, notes, scale, unit, note_header):
-    """A table: each variant's time per call, then its note."""
-    busy = busy_mark(r["busy"])
-    print(f"  {'variant':16s} {'measured: time per call, median [min, max]':44s} {note_header}")
-    for name, timing in r["time"].items():
-        print(f"  {name:16s} {spread_text(timing, scale, unit):>34s}{'':10s} {notes[name]}{busy}")
-
-
-def report_speedups(r):
-    for name, speedup in r["speedup"].items():
-        finding = beyond_noise(speedup)
-        print(f"  derived: {name} {ratio_text(speedup)} as fast as {COMPILED[name]}"
-              f"{mark(finding, r['busy'])}")
-
-
-def report_checks(r):
-    """`check <name>: ok` or `FAILED`, with the measured error where the check has one."""
-    errors = {}
-    if "error" in r:
-        errors = r["error"]
-    for name, passed in r["checks"].items():
-        verdict = "ok"
-        if not passed:
-            verdict = "FAILED"
-        detail = ""
-        if name in errors:
-            detail = f" (measured: max error {errors[name]:.1e}; tolerance {r['tolerance']:.0e})"
-        print(f"  check {name}: {verdict}{detail}")
-
-
-def report_prediction(held, measured, finding, busy):
-    """`prediction held: ...` or `missed`, marked when the ratios it rests on are noise."""
-    verdict = "missed"
-    if held:
-        verdict = "held"
-    print(f"  prediction {verdict}: {measured}{mark(finding, busy)}")
-
-
 # 1. The overhead regime
 
 OVERHEAD_LEAST = {  # 1's prediction: the least speed-up of each compiled variant
@@ -911,6 +713,205 @@ def report_capture_jax(r):
           f" {aot['bytes_floor']:.4g} counted on paper (3 N + 3 d values of 4 B)")
     report_checks(r)
     report_prediction(r["prediction_held"], "the counts and bytes above", True, False)
+
+
+# The tools every experiment above uses: timing on a machine that may be busy
+# (interleaved samples, medians with their spread), checking against eager, and printing
+
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def interleaved(fns, reps):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns."""
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def is_busy(shares):
+    """An experiment was busy when any share of a core sampled around it is below BUSY_SHARE."""
+    return min(shares) < BUSY_SHARE
+
+
+def summary(samples):
+    """Median, min and max of a list of samples (seconds, bytes/s, ...)."""
+    return dict(median=statistics.median(samples), min=min(samples), max=max(samples))
+
+
+def ratio(numerators, denominators):
+    """The median of the per-pair ratios a_i / b_i, with their min and max."""
+    pairs = []
+    for a, b in zip(numerators, denominators):
+        pairs.append(a / b)
+    return dict(median=statistics.median(pairs), min=min(pairs), max=max(pairs))
+
+
+def beyond_noise(r):
+    """A ratio says something only when all its pairs lie on one side of 1."""
+    return r["min"] > 1 or r["max"] < 1
+
+
+def mark(finding, busy):
+    """What follows a printed result: nothing when it is a finding."""
+    if busy:
+        return " (machine busy)"
+    if not finding:
+        return " (within noise)"
+    return ""
+
+
+def busy_mark(busy):
+    """What follows a printed timing of a busy experiment."""
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
+def timed(fn, calls):
+    """fn called `calls` times, then waited for: a JAX call returns before its work is
+    done, and so does a CUDA launch. On one stream, the last call done means all are."""
+    def call():
+        for _ in range(calls - 1):
+            fn()
+        out = fn()
+        if isinstance(out, jax.Array):
+            out.block_until_ready()
+        elif out.is_cuda:
+            torch.cuda.synchronize()
+    return call
+
+
+def first_call_s(fn):
+    """Seconds of a compiled function's first call: it captures, compiles, then runs."""
+    start = time.perf_counter()
+    timed(fn, 1)()
+    return time.perf_counter() - start
+
+
+def to_numpy(t):  # a torch tensor on any device, or a JAX array, as float32 numpy
+    if isinstance(t, torch.Tensor):
+        t = t.float().cpu()
+    return np.asarray(t, dtype=np.float32)
+
+
+def max_error(got, want):
+    """max |got - want| / (1 + max |want|): relative for large values, absolute near 0."""
+    got = to_numpy(got)
+    want = to_numpy(want)
+    worst = np.max(np.abs(got - want))
+    return float(worst / (1 + np.max(np.abs(want))))
+
+
+def measure(section, variants, reps, calls=1):
+    """What experiments 1-3 share: each compiled variant's first call (it compiles: kept
+    out of the timings) and its error against its op-by-op version; then every variant
+    timed, interleaved, after a warm-up; each compiled one's speed-up, pair by pair."""
+    first_calls = {}
+    errors = {}
+    for name, baseline in COMPILED.items():
+        if name in variants:
+            first_calls[name] = first_call_s(variants[name])
+            errors[f"{section}_{name}_equals_{baseline}"] = max_error(variants[name](),
+                                                                    variants[baseline]())
+    # and the two frameworks agree: JAX's compiled result against PyTorch's eager one
+    errors[f"{section}_jax_equals_torch_eager"] = max_error(variants["jax_jit"](),
+                                                            variants["eager"]())
+    fns = []
+    for fn in variants.values():
+        fns.append(timed(fn, calls))
+    for fn in fns:  # warm-up: compiled code loaded, caches and the allocator filled
+        fn()
+    samples = {}
+    for name, seconds in zip(variants, interleaved(fns, reps)):
+        per_call = []
+        for sample in seconds:
+            per_call.append(sample / calls)
+        samples[name] = per_call
+    times = {}
+    for name, per_call in samples.items():
+        times[name] = summary(per_call)
+    speedup = {}
+    for name, baseline in COMPILED.items():
+        if name in variants:
+            speedup[name] = ratio(samples[baseline], samples[name])
+    return dict(first_call_s=first_calls, error=errors, samples_s=samples, time=times,
+                speedup=speedup)
+
+
+def equal_checks(errors, tol):
+    checks = {}
+    for name, error in errors.items():
+        checks[name] = error <= tol
+    return checks
+
+
+def spread_text(spread, scale, unit):  # "186.6 us [184.8, 288.5]": median [min, max]
+    median = spread["median"] * scale
+    low = spread["min"] * scale
+    high = spread["max"] * scale
+    return f"{median:.2f} {unit} [{low:.2f}, {high:.2f}]"
+
+
+def ratio_text(r):  # "2.97x [2.10, 3.50]": median [min, max] of the per-pair ratios
+    return f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}]"
+
+
+def report_times(r, notes, scale, unit, note_header):
+    """A table: each variant's time per call, then its note."""
+    busy = busy_mark(r["busy"])
+    print(f"  {'variant':16s} {'measured: time per call, median [min, max]':44s} {note_header}")
+    for name, timing in r["time"].items():
+        print(f"  {name:16s} {spread_text(timing, scale, unit):>34s}{'':10s} {notes[name]}{busy}")
+
+
+def report_speedups(r):
+    for name, speedup in r["speedup"].items():
+        finding = beyond_noise(speedup)
+        print(f"  derived: {name} {ratio_text(speedup)} as fast as {COMPILED[name]}"
+              f"{mark(finding, r['busy'])}")
+
+
+def report_checks(r):
+    """`check <name>: ok` or `FAILED`, with the measured error where the check has one."""
+    errors = {}
+    if "error" in r:
+        errors = r["error"]
+    for name, passed in r["checks"].items():
+        verdict = "ok"
+        if not passed:
+            verdict = "FAILED"
+        detail = ""
+        if name in errors:
+            detail = f" (measured: max error {errors[name]:.1e}; tolerance {r['tolerance']:.0e})"
+        print(f"  check {name}: {verdict}{detail}")
+
+
+def report_prediction(held, measured, finding, busy):
+    """`prediction held: ...` or `missed`, marked when the ratios it rests on are noise."""
+    verdict = "missed"
+    if held:
+        verdict = "held"
+    print(f"  prediction {verdict}: {measured}{mark(finding, busy)}")
 
 
 def main():

@@ -109,135 +109,6 @@ CPU_BF16_SPEEDUP = 1.1  # predicted: a CPU's bf16 step at most this much faster
 
 
 # ---------------------------------------------------------------------------------------
-# Measuring: clocks on a busy machine, bytes on a GPU and on a CPU
-
-BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
-
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def interleaved(fns, reps):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike. Each function
-    synchronises its own device before it returns."""
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-    return seconds
-
-
-def compare(fns, reps):
-    """Time the functions interleaved, after one warm-up call each; the CPU's share is
-    sampled before and after: busy when another program took the CPU meanwhile."""
-    shares = [cpu_share()]
-    for fn in fns:
-        fn()  # warm-up: the first call allocates, and on a GPU loads its kernels
-    seconds = interleaved(fns, reps)
-    shares.append(cpu_share())
-    busy = min(shares) < BUSY_SHARE
-    return seconds, shares, busy
-
-
-def ratio(a_seconds, b_seconds):
-    """a / b pair by pair (the i-th of each, measured side by side): median, min, max."""
-    ratios = [a / b for a, b in zip(a_seconds, b_seconds)]
-    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
-
-
-def noise_mark(r, busy):
-    """'' for a finding: the ratio's whole range on one side of 1, the machine quiet."""
-    if busy:
-        return " (machine busy)"
-    if r["min"] <= 1 <= r["max"]:
-        return " (within noise)"
-    return ""
-
-
-def milliseconds(seconds):
-    """A timing as its median with its [min, max], in ms."""
-    median = statistics.median(seconds) * 1e3
-    return f"{median:.1f} [{min(seconds) * 1e3:.1f}, {max(seconds) * 1e3:.1f}]"
-
-
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def allocated(device):
-    """The bytes of live tensors on the GPU; a CPU has no such counter (0)."""
-    if device == "cuda":
-        return torch.cuda.memory_allocated()
-    return 0
-
-
-def peak_rise(fn, device):
-    """Call fn; return its result and the most bytes alive during it above those at its
-    start. CUDA: the allocator's peak counter. CPU: the profiler's trace (the JSON that
-    Perfetto and chrome://tracing read) lists every allocation (+bytes) and free (-bytes):
-    the largest running sum. fn must free only what it allocated."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        result = fn()
-        torch.cuda.synchronize()
-        return result, torch.cuda.max_memory_allocated() - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    changes = [event for event in trace["traceEvents"] if event.get("name") == "[memory]"]
-    changes.sort(key=lambda event: event["ts"])
-    alive = 0
-    most = 0
-    for change in changes:
-        alive += change["args"]["Bytes"]
-        most = max(most, alive)
-    return result, most
-
-
-def mib(n):
-    return f"{n / MiB:,.1f}"
-
-
-def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def moments(opt):
-    """AdamW's exp_avg and exp_avg_sq tensors (not its per-parameter 'step' counters)."""
-    states = opt.state.values()
-    return [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
-
-
-def max_rel_error(tensors, references):
-    """The largest max |a - b| / max |b| over pairs of tensors."""
-    errors = []
-    for a, b in zip(tensors, references):
-        scale = b.abs().max().clamp_min(1e-30)
-        errors.append(((a - b).abs().max() / scale).item())
-    return max(errors)
-
-
-# ---------------------------------------------------------------------------------------
 # A training step, plain and watched
 
 def new_run(config, batch, device):
@@ -936,6 +807,136 @@ def figure(rows, state, path):
     ax.legend(legend.values(), legend.keys(), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# ---------------------------------------------------------------------------------------
+# The tools every experiment above uses: clocks on a busy machine (interleaved samples,
+# medians with their spread), bytes on a GPU and on a CPU, and printing
+
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def interleaved(fns, reps):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. Each function
+    synchronises its own device before it returns."""
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def compare(fns, reps):
+    """Time the functions interleaved, after one warm-up call each; the CPU's share is
+    sampled before and after: busy when another program took the CPU meanwhile."""
+    shares = [cpu_share()]
+    for fn in fns:
+        fn()  # warm-up: the first call allocates, and on a GPU loads its kernels
+    seconds = interleaved(fns, reps)
+    shares.append(cpu_share())
+    busy = min(shares) < BUSY_SHARE
+    return seconds, shares, busy
+
+
+def ratio(a_seconds, b_seconds):
+    """a / b pair by pair (the i-th of each, measured side by side): median, min, max."""
+    ratios = [a / b for a, b in zip(a_seconds, b_seconds)]
+    return dict(median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+
+
+def noise_mark(r, busy):
+    """'' for a finding: the ratio's whole range on one side of 1, the machine quiet."""
+    if busy:
+        return " (machine busy)"
+    if r["min"] <= 1 <= r["max"]:
+        return " (within noise)"
+    return ""
+
+
+def milliseconds(seconds):
+    """A timing as its median with its [min, max], in ms."""
+    median = statistics.median(seconds) * 1e3
+    return f"{median:.1f} [{min(seconds) * 1e3:.1f}, {max(seconds) * 1e3:.1f}]"
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def allocated(device):
+    """The bytes of live tensors on the GPU; a CPU has no such counter (0)."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated()
+    return 0
+
+
+def peak_rise(fn, device):
+    """Call fn; return its result and the most bytes alive during it above those at its
+    start. CUDA: the allocator's peak counter. CPU: the profiler's trace (the JSON that
+    Perfetto and chrome://tracing read) lists every allocation (+bytes) and free (-bytes):
+    the largest running sum. fn must free only what it allocated."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    changes = [event for event in trace["traceEvents"] if event.get("name") == "[memory]"]
+    changes.sort(key=lambda event: event["ts"])
+    alive = 0
+    most = 0
+    for change in changes:
+        alive += change["args"]["Bytes"]
+        most = max(most, alive)
+    return result, most
+
+
+def mib(n):
+    return f"{n / MiB:,.1f}"
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def moments(opt):
+    """AdamW's exp_avg and exp_avg_sq tensors (not its per-parameter 'step' counters)."""
+    states = opt.state.values()
+    return [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
+
+
+def max_rel_error(tensors, references):
+    """The largest max |a - b| / max |b| over pairs of tensors."""
+    errors = []
+    for a, b in zip(tensors, references):
+        scale = b.abs().max().clamp_min(1e-30)
+        errors.append(((a - b).abs().max() / scale).item())
+    return max(errors)
 
 
 # ---------------------------------------------------------------------------------------

@@ -92,137 +92,6 @@ QUICK = replace(CPU, n_layer=2, vocab_size=4096, seq_len=32, steps=2, longest=10
                 step_reps=2)
 
 
-def say(*parts):
-    """Rank 0 speaks for every rank."""
-    if dist.get_rank() == 0:
-        print(*parts, flush=True)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def slowest_rank(values, device):
-    """Each value's largest over the ranks; every rank gets the same list."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-def relative_error(got, want):
-    scale = want.abs().max().clamp_min(1e-30)
-    return ((got - want).abs().max() / scale).item()
-
-
-BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
-
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def share_now():
-    """cpu_share() on rank 0 alone, once every rank has reached a barrier and while the
-    others wait in a second one (asleep there, so four CPU ranks on two cores leave it its
-    core): the lesson's own ranks are not other programs. The other ranks say 1.0 (the
-    minimum over ranks is rank 0's)."""
-    dist.barrier()  # no rank still at its last work
-    share = 1.0
-    if dist.get_rank() == 0:
-        share = cpu_share()
-    dist.barrier()
-    return share
-
-
-def interleaved(fns, reps, device):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike; one untimed round
-    first, the warm-up. The ranks start each call together (a barrier) and a call's time
-    is its slowest rank's: a collective is done when its last rank is."""
-    for fn in fns:
-        fn()
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            samples.append(time.perf_counter() - start)
-    slowest = []
-    for samples in seconds:
-        slowest.append(slowest_rank(samples, device))
-    return slowest
-
-
-def median_range(samples):
-    return dict(median=statistics.median(samples), low=min(samples), high=max(samples))
-
-
-def pair_ratios(a_samples, b_samples):
-    """A / B from interleaved samples: the median of the per-pair ratios, with their range."""
-    ratios = []
-    for a, b in zip(a_samples, b_samples):
-        ratios.append(a / b)
-    return median_range(ratios)
-
-
-def num(x):
-    """Three significant digits, no exponent above 1."""
-    if x >= 100:
-        return f"{x:.0f}"
-    if x >= 10:
-        return f"{x:.1f}"
-    return f"{x:.3g}"
-
-
-def spread(summary, scale=1.0, unit=""):
-    """'median [min, max]' of a summary from median_range()."""
-    median = num(summary["median"] * scale)
-    low = num(summary["low"] * scale)
-    high = num(summary["high"] * scale)
-    return f"{median}{unit} [{low}, {high}]"
-
-
-def noise_mark(ratio):
-    """A ratio is a finding only when its whole range lies on one side of 1."""
-    if ratio["low"] > 1 or ratio["high"] < 1:
-        return ""
-    return " (within noise)"
-
-
-def busy_mark(busy):
-    if busy:
-        return " (machine busy)"
-    return ""
-
-
-def held_or_missed(held):
-    if held:
-        return "prediction held"
-    return "prediction missed"
-
-
-def say_checks(found, checks):
-    for name, ok in found.items():
-        if ok:
-            say(f"  check {name}: ok")
-        else:
-            say(f"  check {name}: FAILED")
-    checks.update(found)
-
-
 # ---------------------------------------------------------------------------------------
 # 1. Data parallelism by hand
 
@@ -967,6 +836,141 @@ def plot_sweep(sweep, fits, world, interconnect, path):
     ax.legend()
     fig.savefig(path)
     return f"figure: {path}"
+
+
+# ---------------------------------------------------------------------------------------
+# The tools every experiment above uses: timing on a machine that may be busy (interleaved
+# samples, the slowest rank's, medians with their spread), and printing.
+
+def say(*parts):
+    """Rank 0 speaks for every rank."""
+    if dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def slowest_rank(values, device):
+    """Each value's largest over the ranks; every rank gets the same list."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def relative_error(got, want):
+    scale = want.abs().max().clamp_min(1e-30)
+    return ((got - want).abs().max() / scale).item()
+
+
+BUSY_SHARE = 0.9  # below this share of a core, other programs were taking the CPU
+
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def share_now():
+    """cpu_share() on rank 0 alone, once every rank has reached a barrier and while the
+    others wait in a second one (asleep there, so four CPU ranks on two cores leave it its
+    core): the lesson's own ranks are not other programs. The other ranks say 1.0 (the
+    minimum over ranks is rank 0's)."""
+    dist.barrier()  # no rank still at its last work
+    share = 1.0
+    if dist.get_rank() == 0:
+        share = cpu_share()
+    dist.barrier()
+    return share
+
+
+def interleaved(fns, reps, device):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike; one untimed round
+    first, the warm-up. The ranks start each call together (a barrier) and a call's time
+    is its slowest rank's: a collective is done when its last rank is."""
+    for fn in fns:
+        fn()
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            samples.append(time.perf_counter() - start)
+    slowest = []
+    for samples in seconds:
+        slowest.append(slowest_rank(samples, device))
+    return slowest
+
+
+def median_range(samples):
+    return dict(median=statistics.median(samples), low=min(samples), high=max(samples))
+
+
+def pair_ratios(a_samples, b_samples):
+    """A / B from interleaved samples: the median of the per-pair ratios, with their range."""
+    ratios = []
+    for a, b in zip(a_samples, b_samples):
+        ratios.append(a / b)
+    return median_range(ratios)
+
+
+def num(x):
+    """Three significant digits, no exponent above 1."""
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3g}"
+
+
+def spread(summary, scale=1.0, unit=""):
+    """'median [min, max]' of a summary from median_range()."""
+    median = num(summary["median"] * scale)
+    low = num(summary["low"] * scale)
+    high = num(summary["high"] * scale)
+    return f"{median}{unit} [{low}, {high}]"
+
+
+def noise_mark(ratio):
+    """A ratio is a finding only when its whole range lies on one side of 1."""
+    if ratio["low"] > 1 or ratio["high"] < 1:
+        return ""
+    return " (within noise)"
+
+
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
+def held_or_missed(held):
+    if held:
+        return "prediction held"
+    return "prediction missed"
+
+
+def say_checks(found, checks):
+    for name, ok in found.items():
+        if ok:
+            say(f"  check {name}: ok")
+        else:
+            say(f"  check {name}: FAILED")
+    checks.update(found)
 
 
 # ---------------------------------------------------------------------------------------

@@ -107,157 +107,6 @@ QUICK = dataclasses.replace(CPU, n_layer=2, vocab_size=4096, seq_len=32, reps=2,
 
 
 # ---------------------------------------------------------------------------------------
-# Timing, the same in both halves: interleaved, with its spread and the machine's load.
-
-def cpu_share(seconds=0.05):
-    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
-    machine, less when other programs compete for the cores (a laptop at work, a shared
-    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
-    spins a while after its work) are parked, not counted as other programs. A GPU
-    shared with another program is not seen here."""
-    time.sleep(0.1)
-    start_wall = time.perf_counter()
-    start_cpu = time.thread_time()
-    while time.perf_counter() - start_wall < seconds:
-        pass
-    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
-
-
-def synchronize(device):
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def interleaved(fns, reps, device=None):
-    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
-    ...), so a machine slowed for a while slows every side alike. A GPU is synchronised
-    around each call; a JAX function blocks until its result is ready."""
-    seconds = [[] for _ in fns]
-    for _ in range(reps):
-        for samples, fn in zip(seconds, fns):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            samples.append(time.perf_counter() - start)
-    return seconds
-
-
-def timed(fns, reps, device=None):
-    """Milliseconds of each named function, interleaved after two warm-up calls each
-    (DDP settles its buckets in its first steps), and the share of a core this process
-    got before and after. Under torchrun, the slowest rank's time (a data-parallel step
-    waits for it) and the lowest rank's share. Garbage is collected first: no collector
-    pause lands in a timed call, and the DDP replicas of earlier experiments (reference
-    cycles) give back their GPU memory."""
-    gc.collect()
-    shares = [share_now()]
-    for fn in fns.values():
-        fn()
-        fn()
-    seconds = interleaved(list(fns.values()), reps, device)
-    shares.append(share_now())
-    if dist.is_initialized():
-        seconds = across_ranks(seconds, dist.ReduceOp.MAX, device)
-        shares = across_ranks(shares, dist.ReduceOp.MIN, device)
-    ms = {}
-    for name, samples in zip(fns, seconds):
-        ms[name] = [s * 1e3 for s in samples]
-    return dict(ms=ms, shares=shares, busy=min(shares) < BUSY_SHARE)
-
-
-def share_now():
-    """cpu_share(); under torchrun on rank 0 alone, once every rank has reached a barrier
-    and while the others wait in a second one (asleep there): the lesson's own ranks are
-    not other programs. The other ranks say 1.0 (the minimum over ranks is rank 0's)."""
-    if not dist.is_initialized():
-        return cpu_share()
-    dist.barrier()  # no rank still at its last work
-    share = 1.0
-    if dist.get_rank() == 0:
-        share = cpu_share()
-    dist.barrier()
-    return share
-
-
-def across_ranks(values, op, device):
-    """The values reduced over all ranks (the largest with MAX, the smallest with MIN)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
-def compared(timing, slow, fast):
-    """`fast` against `slow`: the median of the per-pair ratios slow_i / fast_i, with their
-    range, and the difference of the medians. A finding only when the whole range lies on
-    one side of 1 and the machine was not busy."""
-    a = timing["ms"][slow]
-    b = timing["ms"][fast]
-    ratios = []
-    for x, y in zip(a, b):
-        ratios.append(x / y)
-    finding = min(ratios) > 1 or max(ratios) < 1
-    if timing["busy"]:
-        finding = False
-    return dict(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios),
-                finding=finding, saves_ms=statistics.median(a) - statistics.median(b),
-                busy=timing["busy"])
-
-
-def busy_mark(busy):
-    if busy:
-        return " (machine busy)"
-    return ""
-
-
-def mark(c):
-    """What a comparison's number is, when it is not a finding."""
-    if c["busy"]:
-        return " (machine busy)"
-    if not c["finding"]:
-        return " (within noise)"
-    return ""
-
-
-def faster(c):
-    """A finding that `fast` is faster than `slow`."""
-    return c["finding"] and c["ratio"] > 1
-
-
-def print_time(timing, name, label):
-    ms = timing["ms"][name]
-    busy = ""
-    if timing["busy"]:
-        busy = " (machine busy)"
-    print(f"measured: {label}: {statistics.median(ms):.1f} ms (median of {len(ms)}, "
-          f"[{min(ms):.1f}, {max(ms):.1f}]){busy}")
-
-
-def print_comparison(c, slow, fast):
-    effect = f"{fast} saves {c['saves_ms']:.1f} ms"
-    if c["saves_ms"] < 0:
-        effect = f"{fast} costs {-c['saves_ms']:.1f} ms"
-    print(f"derived: {slow} / {fast}: {c['ratio']:.2f}x (pairs {c['low']:.2f} to "
-          f"{c['high']:.2f}): {effect} a step{mark(c)}")
-
-
-def check(checks, name, ok):
-    checks[name] = ok
-    if ok:
-        print(f"check {name}: ok")
-    else:
-        print(f"check {name}: FAILED")
-
-
-def held(predictions, name, ok, text):
-    predictions[name] = ok
-    if ok:
-        print(f"prediction held: {text}")
-    else:
-        print(f"prediction missed: {text}")
-
-
-# ---------------------------------------------------------------------------------------
 # PyTorch: one process per device; DDP's hooks run the all-reduces during backward.
 
 def loss_of(model, x, y, amp, micro_steps=1):
@@ -983,6 +832,158 @@ def jax_half(args, devices):
     result.update(same_result=same, step_time=step_time, sharded_state=sharded,
                   checks=checks, predictions=predictions)
     return with_busy(result, dict(step_time=step_time["timing"]))
+
+
+# ---------------------------------------------------------------------------------------
+# The tools every experiment above uses, the same in both halves: timing on a machine that
+# may be busy (interleaved, with its spread and the machine's load), and printing.
+
+def cpu_share(seconds=0.05):
+    """The share of one core this thread got while it spun for `seconds`: ~1.0 on an idle
+    machine, less when other programs compete for the cores (a laptop at work, a shared
+    server). It sleeps 0.1 s first, so this program's own worker threads (a thread pool
+    spins a while after its work) are parked, not counted as other programs. A GPU
+    shared with another program is not seen here."""
+    time.sleep(0.1)
+    start_wall = time.perf_counter()
+    start_cpu = time.thread_time()
+    while time.perf_counter() - start_wall < seconds:
+        pass
+    return (time.thread_time() - start_cpu) / (time.perf_counter() - start_wall)
+
+
+def synchronize(device):
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns, reps, device=None):
+    """Seconds of each call of each function, the functions called in turn (A, B, A, B,
+    ...), so a machine slowed for a while slows every side alike. A GPU is synchronised
+    around each call; a JAX function blocks until its result is ready."""
+    seconds = [[] for _ in fns]
+    for _ in range(reps):
+        for samples, fn in zip(seconds, fns):
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            samples.append(time.perf_counter() - start)
+    return seconds
+
+
+def timed(fns, reps, device=None):
+    """Milliseconds of each named function, interleaved after two warm-up calls each
+    (DDP settles its buckets in its first steps), and the share of a core this process
+    got before and after. Under torchrun, the slowest rank's time (a data-parallel step
+    waits for it) and the lowest rank's share. Garbage is collected first: no collector
+    pause lands in a timed call, and the DDP replicas of earlier experiments (reference
+    cycles) give back their GPU memory."""
+    gc.collect()
+    shares = [share_now()]
+    for fn in fns.values():
+        fn()
+        fn()
+    seconds = interleaved(list(fns.values()), reps, device)
+    shares.append(share_now())
+    if dist.is_initialized():
+        seconds = across_ranks(seconds, dist.ReduceOp.MAX, device)
+        shares = across_ranks(shares, dist.ReduceOp.MIN, device)
+    ms = {}
+    for name, samples in zip(fns, seconds):
+        ms[name] = [s * 1e3 for s in samples]
+    return dict(ms=ms, shares=shares, busy=min(shares) < BUSY_SHARE)
+
+
+def share_now():
+    """cpu_share(); under torchrun on rank 0 alone, once every rank has reached a barrier
+    and while the others wait in a second one (asleep there): the lesson's own ranks are
+    not other programs. The other ranks say 1.0 (the minimum over ranks is rank 0's)."""
+    if not dist.is_initialized():
+        return cpu_share()
+    dist.barrier()  # no rank still at its last work
+    share = 1.0
+    if dist.get_rank() == 0:
+        share = cpu_share()
+    dist.barrier()
+    return share
+
+
+def across_ranks(values, op, device):
+    """The values reduced over all ranks (the largest with MAX, the smallest with MIN)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def compared(timing, slow, fast):
+    """`fast` against `slow`: the median of the per-pair ratios slow_i / fast_i, with their
+    range, and the difference of the medians. A finding only when the whole range lies on
+    one side of 1 and the machine was not busy."""
+    a = timing["ms"][slow]
+    b = timing["ms"][fast]
+    ratios = []
+    for x, y in zip(a, b):
+        ratios.append(x / y)
+    finding = min(ratios) > 1 or max(ratios) < 1
+    if timing["busy"]:
+        finding = False
+    return dict(ratio=statistics.median(ratios), low=min(ratios), high=max(ratios),
+                finding=finding, saves_ms=statistics.median(a) - statistics.median(b),
+                busy=timing["busy"])
+
+
+def busy_mark(busy):
+    if busy:
+        return " (machine busy)"
+    return ""
+
+
+def mark(c):
+    """What a comparison's number is, when it is not a finding."""
+    if c["busy"]:
+        return " (machine busy)"
+    if not c["finding"]:
+        return " (within noise)"
+    return ""
+
+
+def faster(c):
+    """A finding that `fast` is faster than `slow`."""
+    return c["finding"] and c["ratio"] > 1
+
+
+def print_time(timing, name, label):
+    ms = timing["ms"][name]
+    busy = ""
+    if timing["busy"]:
+        busy = " (machine busy)"
+    print(f"measured: {label}: {statistics.median(ms):.1f} ms (median of {len(ms)}, "
+          f"[{min(ms):.1f}, {max(ms):.1f}]){busy}")
+
+
+def print_comparison(c, slow, fast):
+    effect = f"{fast} saves {c['saves_ms']:.1f} ms"
+    if c["saves_ms"] < 0:
+        effect = f"{fast} costs {-c['saves_ms']:.1f} ms"
+    print(f"derived: {slow} / {fast}: {c['ratio']:.2f}x (pairs {c['low']:.2f} to "
+          f"{c['high']:.2f}): {effect} a step{mark(c)}")
+
+
+def check(checks, name, ok):
+    checks[name] = ok
+    if ok:
+        print(f"check {name}: ok")
+    else:
+        print(f"check {name}: FAILED")
+
+
+def held(predictions, name, ok, text):
+    predictions[name] = ok
+    if ok:
+        print(f"prediction held: {text}")
+    else:
+        print(f"prediction missed: {text}")
 
 
 # ---------------------------------------------------------------------------------------
