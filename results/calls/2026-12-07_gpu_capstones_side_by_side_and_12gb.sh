@@ -1,6 +1,6 @@
-# One GPU, back to back, in one process session that outlives a single device command (the
-# whole chain is longer than one command may run; the commands after the first only wait for
-# it and bring back its archive):
+# One GPU, back to back, started with setsid so that it runs on past the 600 s a single
+# command may last on that machine (the commands after it only wait for it and bring back its
+# archive):
 #   the torch capstone's default waterfall, nanoGPT's own bench.py at the capstones' batch and
 #   the JAX capstone's default waterfall, side by side on one card; then a probe of the
 #   compiled torch steps' slow timed calls (SM clock, power and throttle reasons from NVML
