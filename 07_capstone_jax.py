@@ -880,7 +880,8 @@ def start_rung(name, settings, shared, count, available, incumbent):
     """Build a configuration and take its first step, untimed: jitted, its compile first
     (said before it starts), then XLA's plan checked against the memory available (over
     it: DoesNotFit, before anything runs), or the incumbent's program where it is the
-    same; op by op, JAX compiles each op in that step. Then one profiled step."""
+    same; op by op, JAX compiles each op in that step. Then a profiled call of the steps
+    its timed calls hold (profile_as_timed)."""
     trainer = build(settings, shared, count, name)
     if same_program(settings, count, incumbent, shared):
         print("   the incumbent's program: what changed does not reach XLA", flush=True)
@@ -904,13 +905,29 @@ def start_rung(name, settings, shared, count, available, incumbent):
     peak = None
     if shared.gpu and not settings["jit"]:  # op by op, first: the allocator's peak so far
         peak = shared.devices[0].memory_stats()["peak_bytes_in_use"]
-    instructions = program_instructions(trainer.compiled)
-    split, wall, unmatched = profile_split(lambda: run_steps(trainer, 1, shared),
-                                           instructions, len(trainer.devices))
-    trainer.profiled_steps = 1
+    split, wall, unmatched, window = profile_as_timed(trainer, shared)
     started = dict(profile=split, profile_step_s=wall, unmatched_s=unmatched,
-                   peak_memory_bytes=peak)
+                   profile_window=window, peak_memory_bytes=peak)
     return trainer, started
+
+
+def profile_as_timed(trainer, shared):
+    """One profiled call of the steps the rung's timed calls hold (one step, or WINDOW
+    without the per-step host sync), split by class, per step. A step queued behind the
+    one before it starts as that one ends; a step run alone first waits on the device for
+    the host's launch (XLA's command buffers updated to the step's buffers, then launched),
+    idle that a window of timed steps pays once, not once a step. Returns the split, the
+    wall seconds and the unclassified seconds a step, and the steps profiled."""
+    window = 1
+    if not trainer.settings["host_sync"]:
+        window = WINDOW
+    shared.host_batch(len(trainer.losses) + window)  # drawn before the profile starts
+    instructions = program_instructions(trainer.compiled)
+    split, wall, unmatched = profile_split(lambda: run_steps(trainer, window, shared),
+                                           instructions, len(trainer.devices))
+    trainer.profiled_steps += window
+    per_step = {cls: seconds / window for cls, seconds in split.items()}
+    return per_step, wall / window, unmatched / window, window
 
 
 def count_lines(pattern, text):
@@ -1091,6 +1108,7 @@ def derive(trainer, started, step_ms, incumbent_ms, incumbent_row, base_losses, 
                predicted_peak_bytes=started["predicted_peak_bytes"],
                memory_available_bytes=started["memory_available_bytes"],
                profile=started["profile"], profile_step_s=started["profile_step_s"],
+               profile_window=started["profile_window"],
                unmatched_s=started["unmatched_s"], world=world,
                compile_s=trainer.compile_s, acts=evidence(trainer, shared))
     row["loss_rel_gap"] = loss_gap(trainer.losses, base_losses)
@@ -1139,7 +1157,11 @@ def report_rung(row):
     for cls, seconds in sorted(row["profile"].items(), key=lambda item: -item[1]):
         if seconds >= 0.005 * step:
             shares.append(f"{cls} {seconds / step:.0%}")
-    print(f"   measured: one profiled step, {step * 1e3:.1f} ms: {', '.join(shares)}")
+    profiled = f"one profiled step, {step * 1e3:.1f} ms"
+    if row["profile_window"] > 1:
+        profiled = (f"a profiled call of {row['profile_window']} steps, "
+                    f"{step * 1e3:.1f} ms a step")
+    print(f"   measured: {profiled}: {', '.join(shares)}")
     print(f"   {row['verdict']}")
     low, high = row["predicted"]
     held = "held"
@@ -1403,8 +1425,8 @@ def report_waterfall(rows):
 
 
 def step_floor(trainer, shared, roofs):
-    """The final rung on its own roofline: one profiled step, kernel class by kernel
-    class, against each class's floor (model_torch.step_floor_terms: its FLOPs at the best
+    """The final rung on its own roofline: a profiled call of the steps its timed calls
+    hold (profile_as_timed), kernel class by kernel class, against each class's floor (model_torch.step_floor_terms: its FLOPs at the best
     measured matmul burst or its bytes at the best measured copy, whichever takes longer).
     PREDICTION: on a GPU the matmuls within ~1.2x of their floor, the
     elementwise/norm/loss kernels within ~2x of theirs (XLA fuses them, but moves the fp32
@@ -1415,11 +1437,8 @@ def step_floor(trainer, shared, roofs):
     shares = [cpu_share()]
     # The later rungs ran since: untimed steps first, as before every timing.
     settle(trainer, trainer, shared, 1)
-    instructions = program_instructions(trainer.compiled)
-    split, wall, unmatched = profile_split(lambda: run_steps(trainer, 1, shared),
-                                           instructions, len(trainer.devices))
+    split, wall, unmatched, window = profile_as_timed(trainer, shared)
     shares.append(cpu_share())
-    trainer.profiled_steps += 1
     tokens = shared.batch // len(trainer.devices) * shared.sizes.block_size  # a device's
     micro = trainer.micro_batches
     terms, floors = floor_ms(trainer.settings, micro, tokens, shared, roofs)
@@ -1450,7 +1469,7 @@ def step_floor(trainer, shared, roofs):
                 predicted=[low, high], prediction_held=held,
                 settings=trainer.settings, tokens=tokens,
                 micro_batches=trainer.micro_batches, step_ms=step_ms,
-                floor_ms=floor_total,
+                steps_profiled=window, floor_ms=floor_total,
                 matmul_flops=roofs["matmul_flops_best"],
                 copy_bytes_per_s=roofs["copy_bytes_per_s_best"], classes=classes,
                 largest_excess=largest, technique=TECHNIQUE[largest],
@@ -1464,9 +1483,12 @@ def report_floor(floor):
         expected = f"{low:g}-{high:g}x"
     print(f"the floor table: predicted: the step {expected} its floor on this kind of "
           "device")
-    print(f"{floor['rung']} on its own roofline: one profiled step of "
-          f"{floor['step_ms']:.1f} ms (measured), class by class against its floor "
-          "(derived)")
+    profiled = f"one profiled step of {floor['step_ms']:.1f} ms"
+    if floor["steps_profiled"] > 1:
+        profiled = (f"a profiled call of {floor['steps_profiled']} steps, "
+                    f"{floor['step_ms']:.1f} ms a step")
+    print(f"{floor['rung']} on its own roofline: {profiled} (measured), class by class "
+          "against its floor (derived)")
     print(f"   {'class':24s} {'measured ms':>11s} {'floor ms':>9s} "
           f"{'measured/floor':>14s} {'above floor ms':>14s}  floor's regime")
     for cls in COLOURS:  # matmul first, idle last

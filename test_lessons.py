@@ -4356,11 +4356,14 @@ class TestCapstoneJax:
         # the kernel classes plus idle add up to the profiled step; the un-jitted rung, which
         # dispatches every op from Python, is bound by idle time; a jitted step's classes
         # are found in its program
+        # (a step, of a profiled call holding the steps the rung's timed calls hold)
         rows = capstone_jax_rows(run.json)
         for row in run.json["rungs"]:
             split = row["profile"]
             assert sum(split.values()) == pytest.approx(row["profile_step_s"], rel=1e-6)
             assert min(split.values()) >= 0 and sum(split.values()) > split["idle"]
+            window = row["timed_steps"] // len(row["step_ms"])
+            assert row["profile_window"] == window == row["profiled_steps"], row["name"]
         base = rows["un-jitted (op-by-op)"]["profile"]
         assert max(base, key=base.get) == "idle"
         jitted = rows["+ jax.jit (whole step)"]["profile"]
@@ -4567,7 +4570,40 @@ class TestCapstoneJax:
         steps = len(trainer.losses)
         floor = lesson.step_floor(trainer, shared, roofs)
         assert before == [steps + 1] and len(trainer.losses) == steps + 2
-        assert floor["step_ms"] > 0
+        assert floor["step_ms"] > 0 and floor["steps_profiled"] == 1
+
+    def test_a_rung_without_host_sync_is_profiled_as_it_is_timed(self, lesson, monkeypatch):
+        # its timed calls hold WINDOW steps, queued one behind the other: so does the one
+        # profiled call, and the split is a step's (a lone step would add its launch's idle)
+        shared = capstone_jax_toy_shared(lesson)
+        settings = dict(lesson.BASELINE, jit=True, host_sync=False)
+        trainer = lesson.build(settings, shared, 1, "final")
+        lesson.compile_step(trainer, shared)
+        profile_split = lesson.profile_split
+        calls = []
+
+        def recording(fn, *args):
+            steps = len(trainer.losses)
+            batches = len(shared.host_batches)
+            split, wall, unmatched = profile_split(fn, *args)
+            calls.append(dict(steps=len(trainer.losses) - steps, split=split, wall=wall,
+                              drawn=len(shared.host_batches) - batches))
+            return split, wall, unmatched
+
+        monkeypatch.setattr(lesson, "profile_split", recording)
+        split, wall, unmatched, window = lesson.profile_as_timed(trainer, shared)
+        assert window == lesson.WINDOW == 4 and calls[0]["steps"] == 4
+        assert calls[0]["drawn"] == 0  # the batches drawn before the profiled call
+        assert wall == pytest.approx(calls[0]["wall"] / 4)
+        for cls, seconds in calls[0]["split"].items():
+            assert split[cls] == pytest.approx(seconds / 4)
+        assert trainer.profiled_steps == 4
+        roofs = dict(matmul_flops_best=1e11, copy_bytes_per_s_best=1e10, busy=False)
+        floor = lesson.step_floor(trainer, shared, roofs)
+        assert floor["steps_profiled"] == 4 and calls[-1]["steps"] == 4
+        assert floor["step_ms"] == pytest.approx(calls[-1]["wall"] * 1e3 / 4)
+        measured = sum(c["measured_ms"] for c in floor["classes"].values())
+        assert measured == pytest.approx(floor["step_ms"], rel=1e-6)
 
     def test_tokens_per_joule_from_nvml_readings(self, lesson, monkeypatch):
         # NVML's energy read before and after whole steps lasting ENERGY_MIN_SECONDS at the
