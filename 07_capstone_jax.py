@@ -973,8 +973,9 @@ def settle(incumbent, candidate, shared, window):
     A GPU left idle (a compile) draws little power; under work its draw climbs for about
     a second, and a card that reaches its power cap (an H100 SXM's 700 W, by its
     datasheet) lowers its clock for a moment when it first meets it: a call timed there is
-    slow on whichever side it falls. A CPU compiles on its own cores and is already at its
-    working clock: the one step."""
+    slow on whichever side it falls. (A later pair can still be slow, most often both of
+    its calls at once, which leaves their ratio as it was.) A CPU compiles on its own cores
+    and is already at its working clock: the one step."""
     shared.host_batch(len(incumbent.losses))  # drawn before the clock starts
     start = time.perf_counter()
     run_steps(incumbent, 1, shared)  # ends with the device synchronised
