@@ -1427,8 +1427,9 @@ def report_waterfall(rows):
 
 def step_floor(trainer, shared, roofs):
     """The final rung on its own roofline: a profiled call of the steps its timed calls
-    hold (profile_as_timed), kernel class by kernel class, against each class's floor (model_torch.step_floor_terms: its FLOPs at the best
-    measured matmul burst or its bytes at the best measured copy, whichever takes longer).
+    hold (profile_as_timed), kernel class by kernel class, against each class's floor
+    (model_torch.step_floor_terms: its FLOPs at the best measured matmul burst or its
+    bytes at the best measured copy, whichever takes longer).
     PREDICTION: on a GPU the matmuls within ~1.2x of their floor, the
     elementwise/norm/loss kernels within ~2x of theirs (XLA fuses them, but moves the fp32
     residual stream and its casts), attention further (its kernels reach a fraction of the
