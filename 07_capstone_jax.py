@@ -148,8 +148,10 @@ FIRST_JITTED = "the first jitted rung (fp32 matmuls)"  # --headline's first incu
 HEADLINE = "final rung (every rung kept)"  # --headline: against the first jitted rung
 CLASSES = {  # class: words in a kernel's name, or in the XLA instruction it computes
     "attention": ("fmha", "flash", "sdpa"),  # cuDNN's fused attention
+    # an XLA dot or a library's GEMM; op by op, the module of a jnp matmul. Not a JAX path:
+    # an elementwise op's path names the dot_general it differentiates (a GELU's backward)
     "matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas", " dot(", "convolution(",
-               "dot_general", "einsum", "matmul"),
+               "jit_dot_general", "jit__einsum", "jit_matmul"),
     "communication": ("nccl", "all-reduce", "all_reduce"),
     "optimizer": ("/optimizer/",),  # the step's named scope, in the ops' JAX paths
     "elementwise/norm/loss": (),  # everything else a device runs

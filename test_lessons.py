@@ -4670,21 +4670,30 @@ class TestCapstoneJax:
             "%fused_adam (p0: f32[4]) -> f32[4] {",
             "  ROOT %m = f32[4]{0} multiply(%p0, %p0), metadata={op_name=\"jit(step)/optimizer/mul\"}",
             "}",
+            "%fused_gelu_grad (p0: f32[4,4]) -> f32[4,4] {",  # its path names a dot_general
+            "  ROOT %g = f32[4,4]{1,0} multiply(%p0, %p0), metadata={op_name=\"jit(step)/transpose(jvp(dot_general))/mul\"}",
+            "}",
             "ENTRY %main {",
             "  %loop_dot_fusion.3 = f32[4,4]{1,0} fusion(%a), kind=kLoop, calls=%fused_dot",
+            "  %input_add_reduce_fusion = f32[4,4]{1,0} fusion(%d), kind=kInput, calls=%fused_gelu_grad",
             "  %loop_multiply_fusion.7 = f32[4]{0} fusion(%b), kind=kLoop, calls=%fused_adam",
             "  %all-reduce.2 = f32[4]{0} all-reduce(%c), replica_groups={}",
             "}"])
         instructions = lesson.program_instructions(text)
         assert "loop_dot_fusion_3" in instructions  # the name a GPU gives its kernel
         cases = {"loop_dot_fusion_3": "matmul", "loop_multiply_fusion.7": "optimizer",
-                 "all-reduce.2": "communication"}
+                 "all-reduce.2": "communication",
+                 "input_add_reduce_fusion": "elementwise/norm/loss"}
         for name, cls in cases.items():
             assert lesson.kernel_class(name, instructions[name]) == cls
         assert lesson.kernel_class("nvjet_sm90_tst_128x160", "") == "matmul"
         assert lesson.kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "") \
             == "attention"
         assert lesson.kernel_class("loop_add_fusion_9", "") == "elementwise/norm/loss"
+        # op by op: the module of a jnp matmul names it
+        assert lesson.kernel_class("transpose_copy_fusion", "transpose_copy_fusion jit__einsum") \
+            == "matmul"
+        assert lesson.kernel_class("dot", "dot jit_dot_general") == "matmul"
 
 
 class TestCapstoneJaxHeadline:
