@@ -4,8 +4,8 @@ rung per technique, all from 07_capstone_torch.py's init on the same batches: th
 changes, the losses must not. Each rung is timed against the incumbent (every rung kept so
 far), their steps interleaved, and kept only when it is faster beyond the spread. Then the
 final rung on its own roofline: its step, kernel class by kernel class, against the floor
-of each class; the chapter's technique for the class furthest above its floor, as one more
-rung; and the table again. With several devices, last, the final rung sharded over them.
+of each class; the chapter's techniques for the class furthest above its floor (fewer
+bytes), as more rungs; and the table again. With several devices, last, the final rung sharded over them.
 
     python 07_capstone_jax.py                 # one GPU: gpt2 (124M, T=1024), ~2.5 min
     python 07_capstone_jax.py --memory-gb 24  # the same, as on the book's 24 GB card
@@ -72,7 +72,8 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 BASELINE = dict(jit=False, precision="highest", bf16=False, attn="manual", donate=False,
                 pad_vocab=False, host_sync=True, triton_gemm=True, fused_classifier=False,
-                checkpoint=False, bf16_residual=False, shard=False)
+                checkpoint=False, bf16_residual=False, recompute_gelu=False, split_qkv=False,
+                shard=False)
 WINDOW = 4  # steps between host syncs once "no host sync per step" is on
 RUNGS = [  # (name, what it changes, the mechanism and the regime it targets)
     ("un-jitted (op-by-op)", {},
@@ -111,6 +112,14 @@ RUNGS = [  # (name, what it changes, the mechanism and the regime it targets)
     ("+ bf16 residual stream", dict(bf16_residual=True),
      "bandwidth-bound: the residual stream and the LayerNorms' inputs in bf16: half the "
      "bytes of every residual add and LayerNorm"),
+    ("+ GELU recomputed in backward", dict(recompute_gelu=True),
+     "bandwidth-bound: jax.checkpoint around the GELU keeps only its input for backward "
+     "and recomputes its tanh there: one (B, T, 4d) tensor a layer neither written nor "
+     "read again (torch.compile's partitioner makes the same trade by itself)"),
+    ("+ q, k, v from three matmuls", dict(split_qkv=True),
+     "bandwidth-bound: c_attn's thirds as three matmuls write q, k and v whole; one "
+     "matmul's (B, T, 3d) output is copied apart for cuDNN's attention and its gradients "
+     "concatenated back, (B, T, 3d) read and written twice a layer"),
     ("+ data-parallel sharding", dict(shard=True),
      "the batch's rows sharded over every device, the state replicated; XLA adds the "
      "gradient all-reduce"),
@@ -131,6 +140,10 @@ PREDICTED = {
     "+ fused classifier (logits never written)": dict(gpu=(0.95, 1.03), cpu=(0.8, 1.1)),
     "+ activation checkpointing": dict(gpu=(0.7, 0.9), cpu=(0.85, 1.02)),  # a CPU's tiny
     # model: the blocks are a fifth of its FLOPs (the head's 50257 x 128 the rest)
+    "+ GELU recomputed in backward": dict(gpu=(1.0, 1.04), cpu=(0.9, 1.05)),  # GPT-2 on
+    # an H100: 12 x 2 x 402 MB fewer, ~3 ms of ~128 at 3 TB/s; a CPU computes tanh twice
+    "+ q, k, v from three matmuls": dict(gpu=(0.99, 1.05), cpu=(0.9, 1.1)),  # 12 x 1.2
+    # GB of copies fewer (~4 ms at 3 TB/s), less what three narrower matmuls lose
     "+ data-parallel sharding": dict(gpu=(0.85, 1.0), cpu=(0.2, 1.0)),  # CPU devices:
 }  # simulated, on the same cores
 # A first incumbent: its MFU of the measured peak. The headline: the final rung's speed-up
@@ -142,6 +155,7 @@ PREDICTED["final rung (every rung kept)"] = dict(gpu=(5.0, 20.0), cpu=(0.8, 3.0)
 FLOOR_PREDICTED = dict(gpu=(1.2, 1.6), cpu=(2.0, None))  # the step over its floor
 BASE = "un-jitted (op-by-op)"  # the waterfall's first incumbent
 FLOOR_FIX = "+ bf16 residual stream"  # measured after the floor table, predicted from it
+# (the rungs after it, to SHARDED, act on the same table's bytes: the GELU's, the q, k, v)
 SHARDED = "+ data-parallel sharding"  # needs several devices
 ALONE = "final rung, one device alone"  # --scaling: what the sharding is measured against
 FIRST_JITTED = "the first jitted rung (fp32 matmuls)"  # --headline's first incumbent
@@ -714,7 +728,9 @@ def build(settings, shared, micro_batches, name=""):
     attention = "xla"  # XLA's own, on a CPU: the T x T scores in memory
     if shared.gpu:
         attention = "cudnn"  # cuDNN's flash attention (bf16 inputs)
-    abstract = nnx.eval_shape(lambda: GPT(config, dtype, attn_impl=attention))
+    abstract = nnx.eval_shape(lambda: GPT(config, dtype, attn_impl=attention,
+                                          split_qkv=settings["split_qkv"],
+                                          recompute_gelu=settings["recompute_gelu"]))
     graphdef, shapes = nnx.split(abstract)  # shapes only: the shared weights fill them
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     model = nnx.merge(graphdef, zeros)
@@ -945,8 +961,10 @@ def evidence(trainer, shared):
     in bf16 and at 'highest' precision; whether the loss exponentiates fp32 logits (a bf16
     one rounds the loss by ~0.3%, within an honest run's spread: its value cannot tell);
     B x T x V logits; T x T scores; cuDNN attention, cuBLAS and Triton GEMM calls; bf16
-    adds of (B, T, d) values (the residual stream's, with bf16_residual); all-reduces;
-    whether the first step took the donated state's buffers."""
+    adds of (B, T, d) values (the residual stream's, with bf16_residual); the GELU's tanh
+    over (B, T, 4d) values (twice a layer when backward recomputes it); slices of the
+    (B, T, 3d) q, k, v matmul's output; all-reduces; whether the first step took the
+    donated state's buffers."""
     config = model_config(shared.sizes, trainer.settings)
     lowered = trainer.lowered  # what JAX asked for (XLA:CPU computes bf16 dots in f32)
     compiled = trainer.compiled  # what XLA made of it
@@ -966,6 +984,10 @@ def evidence(trainer, shared):
         triton_gemms=count_lines(r"__triton_gemm", compiled),
         bf16_residual_adds=count_lines(
             rf"stablehlo\.add .*: tensor<{rows}x{T}x{config.n_embd}xbf16>$", lowered),
+        gelu_tanhs=count_lines(rf"stablehlo\.tanh .*tensor<{rows}x{T}x{4 * config.n_embd}x",
+                               lowered),
+        qkv_slices=count_lines(
+            rf"stablehlo\.slice .*tensor<{rows}x{T}x{3 * config.n_embd}x", lowered),
         all_reduces=count_lines(r" all-reduce(?:-start)?\(", compiled),
         donated_inputs_deleted=trainer.donated)
 
@@ -1555,24 +1577,27 @@ def floor_below_measured(floor):
 
 def single_device(shared, roofs):
     """The waterfall: the baseline, every rung against the incumbent, the final rung on
-    its own roofline, the rung its floor table predicts, the table again; then, where
-    there are several devices, the final rung sharded over all of them."""
+    its own roofline, the rungs that act on its largest excess (the first predicted from
+    the table), the table again; then, where there are several devices, the final rung
+    sharded over all of them."""
     rows = []
     skipped = {}
     name, _, why = RUNGS[0]
     incumbent, started = start_first(name, why, BASELINE, shared, roofs)
-    fix = [entry[0] for entry in RUNGS].index(FLOOR_FIX)
+    names = [entry[0] for entry in RUNGS]
+    fix = names.index(FLOOR_FIX)
+    sharded = names.index(SHARDED)
     incumbent = descend(incumbent, started, RUNGS[1:fix], shared, roofs, rows, skipped)
     floors = [step_floor(incumbent, shared, roofs)]
     report_floor(floors[0])
     final = incumbent.name
-    incumbent = descend(incumbent, None, RUNGS[fix:fix + 1], shared, roofs, rows, skipped,
+    incumbent = descend(incumbent, None, RUNGS[fix:sharded], shared, roofs, rows, skipped,
                         floor=floors[0])
-    if incumbent.name != final:  # the fix was kept: the table again, re-measured
+    if incumbent.name != final:  # a fix was kept: the table again, re-measured
         floors.append(step_floor(incumbent, shared, roofs))
         report_floor(floors[-1])
     final = incumbent.name
-    descend(incumbent, None, RUNGS[fix + 1:], shared, roofs, rows, skipped)  # sharded
+    descend(incumbent, None, RUNGS[sharded:], shared, roofs, rows, skipped)
     report_scaling(rows, shared)
     for floor in floors:
         [row] = [row for row in rows if row["name"] == floor["rung"]]

@@ -16,6 +16,11 @@ the matmuls compute in `dtype` (bf16 for mixed precision). The residual stream a
 LayerNorms stay fp32, and the loss is taken on fp32 logits, as under torch.autocast. With
 `config.bf16_residual` the residual stream is carried in `dtype` too (half the bytes every
 add and LayerNorm reads and writes); the LayerNorms still compute in fp32.
+
+Two options of GPT change how a step computes, not what: `recompute_gelu` (backward keeps
+the GELU's input only and recomputes its tanh) and `split_qkv` (q, k and v from three
+matmuls by c_attn's thirds, not one matmul split). Both save bytes XLA would otherwise
+write and read on a GPU; the JAX capstone measures each as a rung.
 """
 
 import math
@@ -35,21 +40,38 @@ normal = nnx.initializers.normal
 
 class CausalSelfAttention(nnx.Module):
 
-    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None):
+    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None, split_qkv=False):
         d = config.n_embd
         L = config.n_layer
         self.n_head = config.n_head
         self.attn = config.attn
         self.dtype = dtype
         self.attn_impl = attn_impl  # dot_product_attention's: None, "xla", "cudnn"
+        self.split_qkv = split_qkv
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
                          bias_init=nnx.initializers.zeros, rngs=rngs)
         self.c_attn = linear(d, 3 * d, kernel_init=normal(0.02))  # q, k, v in one matmul
         self.c_proj = linear(d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
 
+    def qkv(self, x):
+        """q, k and v, (B, T, C) each. One matmul by c_attn, then split: on a GPU XLA
+        copies each third out of the (B, T, 3C) result for cuDNN's attention, and in
+        backward concatenates their gradients back. With split_qkv, three matmuls by
+        c_attn's thirds (the same weights) write q, k and v whole."""
+        if not self.split_qkv:
+            return jnp.split(self.c_attn(x), 3, axis=2)
+        C = x.shape[-1]
+        x = x.astype(self.dtype)  # as nnx.Linear computes: everything in the compute dtype
+        kernel = self.c_attn.kernel[...].astype(self.dtype)  # (C, 3C)
+        bias = self.c_attn.bias[...].astype(self.dtype)
+        q = x @ kernel[:, :C] + bias[:C]
+        k = x @ kernel[:, C:2 * C] + bias[C:2 * C]
+        v = x @ kernel[:, 2 * C:] + bias[2 * C:]
+        return q, k, v
+
     def __call__(self, x):
         B, T, C = x.shape  # batch, sequence length, embedding dim (n_embd)
-        q, k, v = jnp.split(self.c_attn(x), 3, axis=2)
+        q, k, v = self.qkv(x)
         # nh heads of hs = C // nh channels each; JAX's attention keeps heads third
         k = k.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
         q = q.reshape(B, T, self.n_head, C // self.n_head)  # (B, T, nh, hs)
@@ -69,31 +91,43 @@ class CausalSelfAttention(nnx.Module):
         return self.c_proj(y)
 
 
+def gelu(x):
+    return jax.nn.gelu(x, approximate=True)  # GPT-2's tanh GELU
+
+
 class MLP(nnx.Module):
 
-    def __init__(self, config, dtype, param_dtype, rngs):
+    def __init__(self, config, dtype, param_dtype, rngs, recompute_gelu=False):
         d = config.n_embd
         L = config.n_layer
         linear = partial(nnx.Linear, dtype=dtype, param_dtype=param_dtype,
                          bias_init=nnx.initializers.zeros, rngs=rngs)
         self.c_fc = linear(d, 4 * d, kernel_init=normal(0.02))
         self.c_proj = linear(4 * d, d, kernel_init=normal(0.02 / math.sqrt(2 * L)))
+        self.recompute_gelu = recompute_gelu
 
     def __call__(self, x):
-        hidden = jax.nn.gelu(self.c_fc(x), approximate=True)  # GPT-2's tanh GELU
+        if self.recompute_gelu:
+            # backward keeps only the GELU's input and recomputes its tanh from it; plain
+            # autodiff keeps the tanh too, one more (B, T, 4d) tensor written and read
+            hidden = jax.checkpoint(gelu)(self.c_fc(x))
+        else:
+            hidden = gelu(self.c_fc(x))
         return self.c_proj(hidden)
 
 
 class Block(nnx.Module):
 
-    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None):
+    def __init__(self, config, dtype, param_dtype, rngs, attn_impl=None, split_qkv=False,
+                 recompute_gelu=False):
         # LayerNorm computes in fp32, with torch's epsilon (nnx defaults to 1e-6)
         ln = partial(nnx.LayerNorm, config.n_embd, epsilon=1e-5, dtype=jnp.float32,
                      param_dtype=param_dtype, rngs=rngs)
         self.ln_1 = ln()
-        self.attn = CausalSelfAttention(config, dtype, param_dtype, rngs, attn_impl)
+        self.attn = CausalSelfAttention(config, dtype, param_dtype, rngs, attn_impl,
+                                        split_qkv)
         self.ln_2 = ln()
-        self.mlp = MLP(config, dtype, param_dtype, rngs)
+        self.mlp = MLP(config, dtype, param_dtype, rngs, recompute_gelu)
 
     def __call__(self, x):
         x = x + self.attn(self.ln_1(x))  # bf16 branch + fp32 residual -> fp32 residual
@@ -104,7 +138,7 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
 
     def __init__(self, config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=None,
-                 attn_impl=None):
+                 attn_impl=None, split_qkv=False, recompute_gelu=False):
         assert config.attn in ("sdpa", "manual"), f"attn: sdpa or manual: {config.attn!r}"
         if rngs is None:
             rngs = nnx.Rngs(0)
@@ -114,7 +148,8 @@ class GPT(nnx.Module):
                         rngs=rngs)
         self.wte = embed(config.vocab_size, config.n_embd)  # also the lm_head (tied)
         self.wpe = embed(config.block_size, config.n_embd)
-        self.h = nnx.List([Block(config, dtype, param_dtype, rngs, attn_impl)
+        self.h = nnx.List([Block(config, dtype, param_dtype, rngs, attn_impl, split_qkv,
+                                 recompute_gelu)
                            for _ in range(config.n_layer)])
         self.ln_f = nnx.LayerNorm(config.n_embd, epsilon=1e-5, dtype=jnp.float32,
                                   param_dtype=param_dtype, rngs=rngs)

@@ -652,10 +652,11 @@ def model_jax_tiny(**overrides):
     return GPTConfig.preset("tiny", **overrides)
 
 
-def model_jax_twin(config, torch_model, dtype=jnp.float32):
-    """model_jax.GPT holding torch_model's weights. Built from shapes alone: JAX's own random
-    init runs op by op and takes seconds, for values from_torch overwrites."""
-    abstract = nnx.eval_shape(lambda: model_jax.GPT(config, dtype))
+def model_jax_twin(config, torch_model, dtype=jnp.float32, **options):
+    """model_jax.GPT (with `options`) holding torch_model's weights. Built from shapes
+    alone: JAX's own random init runs op by op and takes seconds, for values from_torch
+    overwrites."""
+    abstract = nnx.eval_shape(lambda: model_jax.GPT(config, dtype, **options))
     graphdef, shapes = nnx.split(abstract)
     model = nnx.merge(graphdef, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes))
     return model_jax.from_torch(model, torch_model.state_dict())
@@ -832,6 +833,26 @@ class TestModelJax:
             expected = torch_grads[name].numpy()
             error = abs(np.asarray(jax_grad) - expected).max() / abs(expected).max()
             assert error < 1e-5, f"{name}: JAX fused differs from torch fused by {error:.1e}"
+
+    @pytest.mark.parametrize("option", ["recompute_gelu", "split_qkv"])
+    def test_option_keeps_the_loss_and_gradients(self, option):
+        # the two options change how the step computes, not what: the plain model's fp32
+        # loss and gradients on the same weights and batch, up to fp32 rounding (unit-scale
+        # weights, so the GELU is far from linear and a swapped q/k/v third would show)
+        config = model_jax_tiny(n_layer=2, vocab_size=256, block_size=32)
+        torch.manual_seed(0)
+        tmodel = model_jax_unit_scale(GPT(config))
+        x = jnp.asarray(torch.randint(0, 256, (2, 32)).numpy())
+        results = []
+        for options in ({}, {option: True}):
+            graphdef, params = nnx.split(model_jax_twin(config, tmodel, **options))
+            loss_of = lambda params: nnx.merge(graphdef, params)(x, x)[1]
+            results.append(jax.jit(jax.value_and_grad(loss_of))(params))
+        (plain_loss, plain), (loss, grads) = results
+        assert abs(float(loss) - float(plain_loss)) < 1e-6 * float(plain_loss)
+        for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(plain)):
+            error = float(jnp.abs(got - expected).max() / jnp.abs(expected).max())
+            assert error < 1e-5, (option, error)
 
     def test_bf16_residual_equals_torch_bf16_residual(self):
         # the residual stream in bf16 in both frameworks, the same weights and batch: the
@@ -4328,6 +4349,14 @@ class TestCapstoneJax:
             assert (acts["full_logits"] == 0) == settings["fused_classifier"], row["name"]
             if settings["attn"] == "manual":  # (a CPU's fused attention is XLA's: T x T too)
                 assert acts["scores"] > 0, row["name"]
+            layers = run.json["sizes"]["n_layer"]
+            forwards = 1 + settings["checkpoint"]  # checkpointing runs each block's again
+            slices = 3 * forwards * layers
+            if settings["split_qkv"]:
+                slices = 0
+            assert acts["qkv_slices"] == slices, row["name"]
+            tanhs = forwards + settings["recompute_gelu"]  # and once more in backward
+            assert acts["gelu_tanhs"] == tanhs * layers, row["name"]
             assert acts["f32_vocab_exps"] > 0, f"{row['name']}: the loss is not in fp32"
         assert run.json["checks"]["checkpointing_lowers_memory"]
 
