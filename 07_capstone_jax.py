@@ -7,7 +7,7 @@ final rung on its own roofline: its step, kernel class by kernel class, against 
 of each class; the chapter's techniques for the class furthest above its floor (fewer
 bytes), as more rungs; and the table again. With several devices, last, the final rung sharded over them.
 
-    python 07_capstone_jax.py                 # one GPU: gpt2 (124M, T=1024), ~2.5 min
+    python 07_capstone_jax.py                 # one GPU: gpt2 (124M, T=1024), ~8 min on an H100
     python 07_capstone_jax.py --memory-gb 24  # the same, as on the book's 24 GB card
     python 07_capstone_jax.py --headline      # the first jitted rung vs the final rung
     python 07_capstone_jax.py --scaling       # the final rung on one device, then sharded

@@ -6,7 +6,7 @@ interleaved, and kept only when it is faster beyond the spread. Then the final r
 own roofline: its step, kernel class by kernel class, against the floor of each class;
 the chapter's technique for what the table shows, as one more rung; the table again.
 
-    python 07_capstone_torch.py                 # one GPU: gpt2 (124M, T=1024), ~2.5 min
+    python 07_capstone_torch.py                 # one GPU: gpt2 (124M, T=1024), ~4 min on an H100
     python 07_capstone_torch.py --memory-gb 24  # the same, as on the book's 24 GB card
     python 07_capstone_torch.py --headline      # baseline vs the final rung found above
     torchrun --standalone --nproc_per_node=2 07_capstone_torch.py [--interconnect staged]
