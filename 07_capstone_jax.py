@@ -5,7 +5,8 @@ changes, the losses must not. Each rung is timed against the incumbent (every ru
 far), their steps interleaved, and kept only when it is faster beyond the spread. Then the
 final rung on its own roofline: its step, kernel class by kernel class, against the floor
 of each class; the chapter's techniques for the class furthest above its floor (fewer
-bytes), as more rungs; and the table again. With several devices, last, the final rung sharded over them.
+bytes), as more rungs; and the table again. With several devices, last, the final rung
+sharded over them.
 
     python 07_capstone_jax.py                 # one GPU: gpt2 (124M, T=1024), ~8 min on an H100
     python 07_capstone_jax.py --memory-gb 24  # the same, as on the book's 24 GB card
@@ -1086,7 +1087,8 @@ def decide(ratio, busy):
     incumbent (every rung kept so far) beyond the run-to-run spread: measured
     interleaved, incumbent and candidate steps alternating, every per-pair ratio
     (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set aside
-    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the micro-batches its own
+    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the
+    micro-batches its own
     memory allows, so a rung whose saved memory lets a larger micro-batch fit is kept by
     the same rule when that makes it faster. Otherwise it is dropped: slower when every
     ratio is below 1, within noise when they straddle 1. Returns (kept, the verdict's

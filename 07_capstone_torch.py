@@ -859,7 +859,8 @@ def decide(ratio, busy):
     incumbent (every rung kept so far) beyond the run-to-run spread: measured
     interleaved, incumbent and candidate steps alternating, every per-pair ratio
     (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set aside
-    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the micro-batches its own
+    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the
+    micro-batches its own
     memory allows, so a rung whose saved memory lets a larger micro-batch fit is kept by
     the same rule when that makes it faster. Otherwise it is dropped: slower when every
     ratio is below 1, within noise when they straddle 1. Returns (kept, the verdict's
