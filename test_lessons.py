@@ -3490,7 +3490,8 @@ def capstone_collector_off_while_timing(lesson):
 def capstone_settled_compare(lesson, monkeypatch, gpu, jit=True):
     """Both capstones' compare() on stand-in trainers and a stand-in device ("cuda" and
     shared.gpu for a GPU), a clock that moves only in a step, 0.3 s a step: the calls in
-    order (each trainer's steps, "timed" where the timed pairs start, each batch drawn)."""
+    order (each trainer's steps, "timed" where the timed pairs start, each batch drawn,
+    "collected" for each full garbage collection)."""
     clock = [0.0]
     calls = []
     real_interleaved = lesson.interleaved
@@ -3508,6 +3509,7 @@ def capstone_settled_compare(lesson, monkeypatch, gpu, jit=True):
     monkeypatch.setattr(lesson, "cpu_share", lambda: 1.0)
     monkeypatch.setattr(lesson, "run_steps", run_steps)
     monkeypatch.setattr(lesson, "interleaved", interleaved)
+    monkeypatch.setattr(lesson.gc, "collect", lambda: calls.append("collected"))
     device = torch.device("cpu")
     if gpu:
         device = torch.device("cuda", 0)
@@ -3524,14 +3526,15 @@ def capstone_settled_compare(lesson, monkeypatch, gpu, jit=True):
 def capstone_settles_a_gpu(lesson, monkeypatch):
     """A GPU left idle by a compile: untimed steps of both in turn until SETTLE_S of work,
     none inside the timed pairs. A first step of 0.3 s: ceil((2.0 - 0.3) / (2 x 0.3)) = 3
-    more pairs, 2.1 s in all. The floor's single trainer: the same, pairs of itself. A CPU:
-    one untimed step of the incumbent, as before."""
+    more pairs, 2.1 s in all. The full garbage collection comes before those steps, so the
+    GPU does not idle between them and the first timed pair. The floor's single trainer:
+    the same, pairs of itself. A CPU: one untimed step of the incumbent, as before."""
     assert lesson.SETTLE_S == 2.0
     calls, incumbent, candidate, timing, shared = capstone_settled_compare(lesson, monkeypatch,
                                                                            gpu=True)
     pair = [("incumbent", 1), ("candidate", 1)]
     steps = [call for call in calls if call[0] != "drawn"]
-    assert steps == [("incumbent", 1)] + pair * 3 + ["timed"] + pair * 2
+    assert steps == ["collected", ("incumbent", 1)] + pair * 3 + ["timed"] + pair * 2
     assert incumbent.warmup_steps == 1 + 3 and candidate.warmup_steps == 3
     assert incumbent.timed_steps == candidate.timed_steps == 2
     assert timing["incumbent_ms"] == timing["candidate_ms"] == pytest.approx([300.0, 300.0])
@@ -3544,7 +3547,7 @@ def capstone_settles_a_gpu(lesson, monkeypatch):
     assert final.warmup_steps == 7
     calls, incumbent, candidate, _, _ = capstone_settled_compare(lesson, monkeypatch, gpu=False)
     steps = [call for call in calls if call[0] != "drawn"]
-    assert steps == [("incumbent", 1), "timed"] + pair * 2
+    assert steps == ["collected", ("incumbent", 1), "timed"] + pair * 2
     assert incumbent.warmup_steps == 1 and candidate.warmup_steps == 0
 
 
@@ -4722,7 +4725,7 @@ class TestCapstoneJax:
         # an op-by-op incumbent on a CPU: no untimed step (its step takes seconds)
         calls, incumbent, _, _, _ = capstone_settled_compare(lesson, monkeypatch, gpu=False,
                                                              jit=False)
-        assert [call for call in calls if call[0] != "drawn"][0] == "timed"
+        assert [call for call in calls if call[0] != "drawn"][:2] == ["collected", "timed"]
         assert incumbent.warmup_steps == 0
 
     def test_the_rule_with_known_ratios(self, lesson):
