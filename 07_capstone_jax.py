@@ -1049,10 +1049,8 @@ def compare(incumbent, candidate, shared, pairs):
         run_steps(candidate, window, shared)
 
     shares = [cpu_share()]
-    gc.collect()  # before the untimed steps: a full collection stalls the host (338 ms on
-    # our CPU's probe) while the GPU idles, and a call after an idle GPU runs fast. Collected
-    # between those steps and the pairs, the incumbent's first timed call was its fastest in
-    # 26 of 34 compiled comparisons on an H100 and an H200, its pair's ratio the lowest in 20
+    gc.collect()  # before the untimed steps, not between them and the pairs: a full
+    # collection stalls the host while the GPU idles, and a call after an idle GPU runs fast
     if incumbent.settings["jit"]:
         settle(incumbent, candidate, shared, window)
     shared.host_batch(len(incumbent.losses) + pairs * window)  # drawn before the
