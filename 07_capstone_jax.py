@@ -142,7 +142,7 @@ PREDICTED = {
     # model: the blocks are a fifth of its FLOPs (the head's 50257 x 128 the rest)
     # GPT-2 on an H100: 12 x (2 x 402 MB + 4 x 302 MB) fewer, ~8 ms of ~130 at 3 TB/s,
     # less what three narrower matmuls lose; a CPU computes tanh twice. One rung: each
-    # alone is worth 1-2% on an H100, the spread of a rung's timed pairs there
+    # alone saves about as much as a rung's timed pairs spread
     "+ GELU recomputed, q, k, v from three matmuls": dict(gpu=(1.0, 1.08),
                                                         cpu=(0.85, 1.15)),
     "+ data-parallel sharding": dict(gpu=(0.85, 1.0), cpu=(0.2, 1.0)),  # CPU devices:
@@ -371,12 +371,11 @@ def interleaved(fns, reps):
 def ratio_summary(slow, fast):
     """Two interleaved timings compared: the median of the per-pair ratios slow_i /
     fast_i with their [min, max], and the lowest ratio the keep rule reads (decide):
-    every pair's or, from SET_ASIDE_FROM pairs on, every pair's but the one whose two
-    calls took longest together. A moment the machine runs slow slows both calls of its
-    pair, rarely by the same amount (on the GPUs measured, the fourth timed pair of a
-    compiled comparison, more often than not, for a reason not found). Which pair took
-    longest says nothing of which side is faster, so with no real difference the other
-    n - 1 ratios are all above 1 once in 2^(n - 1) comparisons: once in 32 of 6 pairs."""
+    every pair's or, from SET_ASIDE_FROM pairs on, every pair's but the one whose
+    two calls took longest together. A moment the machine runs slow slows both calls
+    of its pair, rarely by the same amount. Which pair took longest says nothing of
+    which side is faster, so with no real difference the other n - 1 ratios are all
+    above 1 once in 2^(n - 1) comparisons: once in 32 of 6 pairs."""
     ratios = [a / b for a, b in zip(slow, fast)]
     totals = [a + b for a, b in zip(slow, fast)]
     set_aside = None
@@ -1050,7 +1049,7 @@ def compare(incumbent, candidate, shared, pairs):
 
     shares = [cpu_share()]
     gc.collect()  # before the untimed steps, not between them and the pairs: a full
-    # collection stalls the host while the GPU idles, and a call after an idle GPU runs fast
+    # collection stalls the host while the GPU idles, and the call after an idle may run fast
     if incumbent.settings["jit"]:
         settle(incumbent, candidate, shared, window)
     shared.host_batch(len(incumbent.losses) + pairs * window)  # drawn before the
@@ -1088,13 +1087,12 @@ def decide(ratio, busy):
     """The rule, the same in both capstones. A rung is kept when it is faster than the
     incumbent (every rung kept so far) beyond the run-to-run spread: measured
     interleaved, incumbent and candidate steps alternating, every per-pair ratio
-    (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set aside
-    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the
-    micro-batches its own
-    memory allows, so a rung whose saved memory lets a larger micro-batch fit is kept by
-    the same rule when that makes it faster. Otherwise it is dropped: slower when every
-    ratio is below 1, within noise when they straddle 1. Returns (kept, the verdict's
-    words)."""
+    (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set
+    aside when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung
+    runs with the micro-batches its own memory allows, so a rung whose saved memory
+    lets a larger micro-batch fit is kept by the same rule when that makes it
+    faster. Otherwise it is dropped: slower when every ratio is below 1, within
+    noise when they straddle 1. Returns (kept, the verdict's words)."""
     measured = f"{ratio['ratio']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]"
     if ratio["decisive_low"] > ratio["low"]:  # the lowest ratio was the pair set aside
         measured += f" (pair {ratio['set_aside'] + 1}, the slowest, set aside)"

@@ -331,12 +331,11 @@ def interleaved(fns, reps):
 def ratio_summary(slow, fast):
     """Two interleaved timings compared: the median of the per-pair ratios slow_i /
     fast_i with their [min, max], and the lowest ratio the keep rule reads (decide):
-    every pair's or, from SET_ASIDE_FROM pairs on, every pair's but the one whose two
-    calls took longest together. A moment the machine runs slow slows both calls of its
-    pair, rarely by the same amount (on the GPUs measured, the fourth timed pair of a
-    compiled comparison, more often than not, for a reason not found). Which pair took
-    longest says nothing of which side is faster, so with no real difference the other
-    n - 1 ratios are all above 1 once in 2^(n - 1) comparisons: once in 32 of 6 pairs."""
+    every pair's or, from SET_ASIDE_FROM pairs on, every pair's but the one whose
+    two calls took longest together. A moment the machine runs slow slows both calls
+    of its pair, rarely by the same amount. Which pair took longest says nothing of
+    which side is faster, so with no real difference the other n - 1 ratios are all
+    above 1 once in 2^(n - 1) comparisons: once in 32 of 6 pairs."""
     ratios = [a / b for a, b in zip(slow, fast)]
     totals = [a + b for a, b in zip(slow, fast)]
     set_aside = None
@@ -818,7 +817,7 @@ def compare(incumbent, candidate, shared, pairs):
 
     shares = [cpu_share()]
     gc.collect()  # before the untimed steps, not between them and the pairs: a full
-    # collection stalls the host while the GPU idles, and a call after an idle GPU runs fast
+    # collection stalls the host while the GPU idles, and the call after an idle may run fast
     settle(incumbent, candidate, shared, window)
     seconds = interleaved([incumbent_call, candidate_call], pairs)
     shares.append(cpu_share())
@@ -860,13 +859,12 @@ def decide(ratio, busy):
     """The rule, the same in both capstones. A rung is kept when it is faster than the
     incumbent (every rung kept so far) beyond the run-to-run spread: measured
     interleaved, incumbent and candidate steps alternating, every per-pair ratio
-    (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set aside
-    when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung runs with the
-    micro-batches its own
-    memory allows, so a rung whose saved memory lets a larger micro-batch fit is kept by
-    the same rule when that makes it faster. Otherwise it is dropped: slower when every
-    ratio is below 1, within noise when they straddle 1. Returns (kept, the verdict's
-    words)."""
+    (incumbent ms / rung ms) above 1, the pair where the machine ran slowest set
+    aside when there are SET_ASIDE_FROM pairs or more (ratio_summary). Each rung
+    runs with the micro-batches its own memory allows, so a rung whose saved memory
+    lets a larger micro-batch fit is kept by the same rule when that makes it
+    faster. Otherwise it is dropped: slower when every ratio is below 1, within
+    noise when they straddle 1. Returns (kept, the verdict's words)."""
     measured = f"{ratio['ratio']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}]"
     if ratio["decisive_low"] > ratio["low"]:  # the lowest ratio was the pair set aside
         measured += f" (pair {ratio['set_aside'] + 1}, the slowest, set aside)"
